@@ -1,0 +1,484 @@
+"""
+Tests: behaviour, not shapes. Run with `python -m pytest -q` from the repository root.
+
+Real-text tests read ../shared/data (the project's shared data slices); in a fresh clone without
+it they train on the embedded corpus instead, and dataset-specific tests skip with the reason.
+"""
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import data
+import train
+from model import GPT, GPTConfig
+from residuals import RESIDUALS
+
+ROOT = Path(__file__).resolve().parent
+SHARED_DATA = ROOT.parent / 'shared' / 'data'
+TEXT8 = SHARED_DATA / 'text8_head.txt'
+REAL_TEXT = str(TEXT8) if TEXT8.is_file() else data.EMBEDDED  # fresh clone: the embedded corpus
+METHODS = sorted(RESIDUALS)
+
+TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=27)
+TINY_TRAIN = ['--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=32', '--batch_size=32',
+              '--learning_rate=1e-2', '--min_lr=1e-3', '--warmup_iters=5', '--eval_tokens=4096']
+
+
+def tiny_model(residual, seed=0, **overrides):
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(**{**TINY, 'residual': residual, **overrides}))
+
+
+def randomize_routing(model, seed=1):
+    """Give every routing parameter a random value, so no zero init can hide a mixing bug."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.residual.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.5)
+
+
+def unigram_entropy(tokens):
+    counts = np.bincount(np.asarray(tokens), minlength=1).astype(np.float64)
+    probs = counts[counts > 0] / counts.sum()
+    return float(-(probs * np.log(probs)).sum())
+
+
+def run_cli(script, *args, cwd=ROOT, timeout=120):
+    return subprocess.run([sys.executable, str(ROOT / script), *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope='session')
+def data_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp('data'))
+
+
+# ----------------------------------------------------------------------------- every method
+
+@pytest.mark.parametrize('residual', METHODS)
+def test_causality(residual):
+    """Changing tokens t+1.. leaves the logits at 0..t unchanged (with random routing parameters)."""
+    model = tiny_model(residual, n_layer=3)
+    randomize_routing(model)
+    model.eval()
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(27, (2, 32), generator=gen)
+    t = 13
+    changed = idx.clone()
+    changed[:, t + 1:] = torch.randint(27, (2, 32 - t - 1), generator=gen)
+    with torch.no_grad():
+        logits_a, _ = model(idx, idx)
+        logits_b, _ = model(changed, changed)
+    assert torch.equal(logits_a[:, :t + 1], logits_b[:, :t + 1])
+    assert not torch.allclose(logits_a[:, t + 1:], logits_b[:, t + 1:])  # the change is seen later
+
+
+@pytest.mark.parametrize('residual', METHODS)
+def test_training_lowers_val_loss_on_real_text(residual, tmp_path, data_dir):
+    """A tiny model of each method beats the best context-free predictor (the unigram entropy)."""
+    metrics = train.main([f'--residual={residual}', f'--dataset={REAL_TEXT}', f'--data_dir={data_dir}',
+                          f'--out_dir={tmp_path}', '--max_iters=200', '--eval_interval=200', '--log_interval=50',
+                          *TINY_TRAIN])
+    log = [json.loads(line) for line in open(tmp_path / 'log.jsonl')]
+    evals = [r['val_loss'] for r in log if 'val_loss' in r]
+    ds = data.load(REAL_TEXT, data_dir)
+    assert evals[0] > math.log(ds.vocab_size) - 0.3  # starts near uniform
+    assert metrics['val_loss'] < unigram_entropy(ds.splits['train']) - 0.15
+    assert metrics['val_bpc'] == pytest.approx(metrics['val_loss'] / math.log(2))
+
+
+# ----------------------------------------------------------------------------- baselines
+
+def test_rezero_at_init_is_the_embedding_alone():
+    model = tiny_model('rezero')
+    idx = torch.randint(27, (2, 16))
+    logits, _ = model(idx, idx)
+    e = model.transformer.wte(idx) + model.transformer.wpe(torch.arange(16))
+    assert torch.allclose(logits, model.lm_head(model.transformer.ln_f(e)), atol=1e-6)
+    assert all(isinstance(b.ln_1, torch.nn.Identity) for b in model.transformer.h)  # no pre-norm
+
+
+def test_layerscale_depth_rule_and_knob():
+    for n_layer, eps in [(12, 0.1), (18, 0.1), (24, 1e-5), (48, 1e-6)]:
+        model = tiny_model('layerscale', n_layer=n_layer)
+        assert torch.all(model.residual.scale == torch.tensor(eps))
+    assert torch.all(tiny_model('layerscale', layerscale_init=0.5).residual.scale == 0.5)
+
+
+@pytest.mark.parametrize('residual', METHODS)
+def test_routing_parameters_get_no_weight_decay(residual):
+    model = tiny_model(residual)
+    optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), 'cpu')
+    decayed = {id(p) for g in optimizer.param_groups if g['weight_decay'] > 0 for p in g['params']}
+    assert not decayed & {id(p) for p in model.residual.parameters()}
+    assert id(model.transformer.h[0].attn.c_attn.weight) in decayed
+    assert sum(len(g['params']) for g in optimizer.param_groups) == len(list(model.parameters()))
+
+
+def test_shared_weights_are_identical_across_methods():
+    """Same seed, same attention/MLP/embedding weights whatever the residual (rezero drops the norms)."""
+    ref = tiny_model('prenorm').state_dict()
+    for residual in METHODS:
+        state = tiny_model(residual).state_dict()
+        for name, tensor in state.items():
+            if name in ref and not name.startswith('residual.'):
+                assert torch.equal(tensor, ref[name]), (residual, name)
+
+
+# ----------------------------------------------------------------------------- AttnRes family and WAV
+
+def fake_sublayers(updates, inputs):
+    """Sublayers that record their input and return fixed updates, to read off what a method routes."""
+    def make(u):
+        def sublayer(h):
+            inputs.append(h)
+            return u
+        return sublayer
+    return [make(u) for u in updates]
+
+
+def routing(residual, n_layer, C=16, **knobs):
+    return RESIDUALS[residual](GPTConfig(**{**TINY, 'n_layer': n_layer, 'n_embd': C, 'residual': residual, **knobs}))
+
+
+def test_block_attnres_reads_the_sources_of_spec_at_init():
+    """2 layers, res_block_size=1: sublayers read e; e,PC; e,C_0; e,C_0,PC; the output e,C_0,C_1.
+    With zero queries every read is the plain average of those sources."""
+    gen = torch.Generator().manual_seed(0)
+    e, *u = [torch.randn(2, 3, 16, generator=gen) for _ in range(5)]
+    router, inputs = routing('block_attnres', 2, res_block_size=1), []
+    router.recorded = []
+    out = router(e, fake_sublayers(u, inputs))
+    expected = [e, (e + u[0]) / 2, (e + u[0] + u[1]) / 2, (e + (u[0] + u[1]) + u[2]) / 3]
+    for got, want in zip(inputs, expected):
+        assert torch.allclose(got, want, atol=1e-6)
+    assert torch.allclose(out, (e + (u[0] + u[1]) + (u[2] + u[3])) / 3, atol=1e-6)
+    assert [w.shape[0] for w in router.recorded] == [1, 2, 2, 3, 3]
+    assert all(torch.allclose(w.sum(0), torch.ones(2, 3)) for w in router.recorded)
+
+
+def test_block_attnres_auto_block_size_and_short_last_block():
+    assert routing('block_attnres', 48).block_len == 2 * 6 and routing('block_attnres', 4).block_len == 2
+    gen = torch.Generator().manual_seed(0)
+    e, *u = [torch.randn(1, 2, 16, generator=gen) for _ in range(7)]  # 3 layers, blocks of 2 layers + 1 layer
+    router, inputs = routing('block_attnres', 3, res_block_size=2), []
+    out = router(e, fake_sublayers(u, inputs))
+    assert torch.allclose(inputs[4], (e + sum(u[:4])) / 2, atol=1e-6)  # first sublayer of the last block
+    assert torch.allclose(inputs[5], (e + sum(u[:4]) + u[4]) / 3, atol=1e-6)
+    assert torch.allclose(out, (e + sum(u[:4]) + u[4] + u[5]) / 3, atol=1e-6)
+
+
+def test_full_and_delta_attnres_at_init():
+    gen = torch.Generator().manual_seed(0)
+    e, *u = [torch.randn(2, 3, 16, generator=gen) for _ in range(5)]
+    inputs = []
+    out = routing('attnres', 2)(e, fake_sublayers(u, inputs))
+    for i, got in enumerate(inputs):
+        assert torch.allclose(got, (e + sum(u[:i])) / (i + 1), atol=1e-6)
+    assert torch.allclose(out, (e + sum(u)) / 5, atol=1e-6)
+    inputs = []
+    out = routing('delta_attnres', 2)(e, fake_sublayers(u, inputs))
+    gate = torch.sigmoid(torch.tensor(-2.0))
+    for i, got in enumerate(inputs):  # PreNorm stream plus the gated average of e and the deltas
+        assert torch.allclose(got, e + sum(u[:i]) + gate * (e + sum(u[:i])) / (i + 1), atol=1e-6)
+    assert torch.allclose(out, e + sum(u), atol=1e-6)
+
+
+@pytest.mark.parametrize('n_layer,block,knobs', [(4, 1, {}), (5, 2, {}), (7, 4, {}),
+                                                 (6, 2, {'wav_levels': 2}), (6, 2, {'wav_learned_basis': True})])
+def test_wav_with_very_negative_detail_bias_equals_block_attnres(n_layer, block, knobs):
+    base = tiny_model('block_attnres', n_layer=n_layer, res_block_size=block)
+    randomize_routing(base)
+    wav = tiny_model('wav', n_layer=n_layer, res_block_size=block, wav_detail_bias=-30.0, **knobs)
+    missing, unexpected = wav.load_state_dict(base.state_dict(), strict=False)
+    assert not unexpected and all(k.startswith('residual.') and 'queries' not in k for k in missing)
+    if 'wav_learned_basis' in knobs:
+        torch.nn.init.normal_(wav.residual.basis_delta)
+    idx = torch.randint(27, (2, 32))
+    with torch.no_grad():
+        assert torch.allclose(wav(idx, idx)[0], base(idx, idx)[0], atol=1e-5, rtol=0)
+        wav.residual.detail_bias.fill_(0.0)  # and the details do matter once they are let in
+        assert not torch.allclose(wav(idx, idx)[0], base(idx, idx)[0], atol=1e-3)
+
+
+def spec_phase(m):
+    return [1 if k % 2 == 0 else -1 for k in range(m)]
+
+
+def spec_split(m):
+    return [1 if k < m // 2 else -1 for k in range(m)]
+
+
+@pytest.mark.parametrize('n_layer,block', [(3, 2), (7, 4), (2, 1)])
+def test_wav_detail_signs_for_full_and_partial_blocks(n_layer, block):
+    """Each update is a unit vector in its own channel, so RMS matching is the identity; with zero
+    queries and zero detail bias every read is the average of SPEC's pool, built here by hand.
+    (3, 2) and (7, 4) end with a block of an odd number of layers (1 and 3)."""
+    L, C = 2 * n_layer, 16
+    e = torch.linspace(-1, 1, C).expand(1, 2, C)
+    u = [torch.eye(C)[j].expand(1, 2, C) for j in range(L)]
+    router, inputs = routing('wav', n_layer, C=C, res_block_size=block, wav_detail_bias=0.0), []
+    out = router(e, fake_sublayers(u, inputs))
+    combine = lambda signs, us: sum(s * v for s, v in zip(signs, us))
+    finished, readout = [e], [e]
+    for start in range(0, L, 2 * block):
+        m = min(2 * block, L - start)
+        block_u = u[start:start + m]
+        for k in range(m):
+            pool = finished + ([sum(block_u[:k]), combine(spec_phase(m)[:k], block_u[:k]),
+                                combine(spec_split(m)[:k], block_u[:k])] if k else [])
+            assert torch.allclose(inputs[start + k], sum(pool) / len(pool), atol=1e-5), (start, k)
+        finished = finished + [sum(block_u), combine(spec_phase(m), block_u), combine(spec_split(m), block_u)]
+        readout = readout + [sum(block_u)]
+    assert torch.allclose(out, sum(readout) / len(readout), atol=1e-5)  # conservative readout
+
+
+def test_wav_detail_readout_knob_adds_the_details_to_the_output_mixer():
+    router = routing('wav', 2, res_block_size=1, wav_detail_readout=True)
+    router.recorded = []
+    router(torch.randn(1, 2, 16), [lambda h: torch.randn(1, 2, 16)] * 4)
+    assert router.recorded[-1].shape[0] == 1 + 2 * 3  # e, and C, phase, split of each block
+
+
+def test_rms_match_scale_is_detached_and_capped():
+    from residuals import rms_match
+    detail = torch.randn(2, 3, 8, requires_grad=True)
+    state = (torch.randn(2, 3, 8) * 3).requires_grad_()
+    matched = rms_match(detail, state, rho=100.0)
+    rms = lambda v: v.pow(2).mean(-1).sqrt()
+    assert torch.allclose(rms(matched), rms(state), rtol=1e-4)
+    grad_detail, grad_state = torch.autograd.grad(matched.sum(), (detail, state), allow_unused=True)
+    assert grad_state is None  # the state enters only through the detached scale
+    scale = (rms(state) / (rms(detail) + 1e-6)).detach()
+    assert torch.allclose(grad_detail, scale[..., None].expand_as(detail))  # linear in the detail
+    capped = rms_match(detail * 1e-3, state, rho=2.0)
+    assert torch.allclose(capped, detail * 2e-3)
+
+
+def test_wav_haar_levels_and_learned_bases_are_zero_sum():
+    from residuals import detail_signs
+    assert detail_signs(4, 2).tolist() == [[1, -1, 1, -1], [1, 1, -1, -1], [1, -1, 0, 0], [0, 0, 1, -1]]
+    assert detail_signs(6, 2).tolist()[2:] == [[1, 0, -1, 0, 0, 0], [0, 0, 0, 1, 0, -1]]
+    for knobs in [{'wav_levels': 2}, {'wav_levels': 3}, {'wav_learned_basis': True}]:
+        router = routing('wav', 5, res_block_size=4, **knobs)  # blocks of 8 and 2 sublayers
+        if router.basis_delta is not None:
+            assert torch.equal(router.basis(8), detail_signs(8, 1))  # learned bases start at the signs
+            torch.nn.init.normal_(router.basis_delta)
+        for m in (8, 2):
+            assert torch.allclose(router.basis(m).sum(dim=1), torch.zeros(len(router.basis(m))), atol=1e-6)
+    assert len(routing('wav', 5, res_block_size=4, wav_levels=9).basis(8)) == 1 + 1 + 2 + 4  # capped at 3
+
+
+@pytest.mark.parametrize('residual', METHODS)
+def test_48_layers_give_finite_logits_and_gradients(residual):
+    model = tiny_model(residual, n_layer=48, n_embd=16, n_head=2, block_size=8)
+    idx = torch.randint(27, (2, 8))
+    logits, loss = model(idx, idx)
+    loss.backward()
+    assert torch.isfinite(logits).all() and torch.isfinite(loss)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    assert all(p.grad is not None for p in model.residual.parameters() if p.requires_grad)
+
+
+# ----------------------------------------------------------------------------- data
+
+def test_embedded_corpus_is_real_text_with_a_fixed_split(data_dir):
+    ds = data.load(data.EMBEDDED, data_dir)
+    text = ds.decode(ds.splits['val'][:2000].tolist())
+    assert text.count(' the ') > 5  # English prose, not noise
+    assert len(ds.splits['train']) > 300_000
+    again = data.Dataset(data.prepare(data.EMBEDDED, data_dir))
+    assert np.array_equal(again.splits['val'], ds.splits['val'])
+    assert len(ds.splits['val']) == int((len(ds.splits['train']) + len(ds.splits['val'])) * data.VAL_FRACTION)
+
+
+def test_local_text_file_round_trips_and_is_reprepared_when_edited(tmp_path):
+    src = tmp_path / 'mine.txt'
+    src.write_text('héllo wörld, ' * 100, encoding='utf-8')
+    ds = data.load(str(src), str(tmp_path / 'd'))
+    both = np.concatenate([ds.splits['train'], ds.splits['val']])
+    assert ds.decode(both.tolist()) == src.read_text(encoding='utf-8')
+    src.write_text('something else entirely. ' * 100, encoding='utf-8')
+    assert 'y' in data.load(str(src), str(tmp_path / 'd')).stoi
+    assert 'ö' not in data.load(str(src), str(tmp_path / 'd')).stoi
+
+
+def test_fixed_validation_is_identical_across_methods_and_runs(tmp_path, data_dir):
+    """Two methods evaluated at init on the fixed val windows see exactly the same tokens."""
+    ds = data.load(data.EMBEDDED, data_dir)
+    cfg = dict(block_size=32, eval_tokens=1000, batch_size=7)
+    seen = []
+
+    class Spy(torch.nn.Module):
+        def forward(self, x, y):
+            seen.append(x.clone())
+            return None, torch.tensor(1.0)
+    train.evaluate(Spy(), ds.splits['val'], cfg, torch.device('cpu'), torch.no_grad())
+    first = torch.cat(seen)
+    seen.clear()
+    train.evaluate(Spy(), ds.splits['val'], cfg, torch.device('cpu'), torch.no_grad())
+    assert torch.equal(first, torch.cat(seen))
+    assert first.shape == (1000 // 32, 32)
+    assert first[1, 0].item() == ds.splits['val'][32]
+
+
+# ----------------------------------------------------------------------------- CLI and bad input
+
+def assert_clean_error(result, *needles):
+    assert result.returncode != 0
+    assert 'Traceback' not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith('error:'), result.stderr  # one last clear line
+    for needle in needles:
+        assert needle in result.stderr, result.stderr
+
+
+def test_unknown_residual_lists_the_registered_names(tmp_path):
+    result = run_cli('train.py', '--residual=nope', f'--out_dir={tmp_path / "o"}')
+    assert_clean_error(result, 'nope', *METHODS)
+    assert not (tmp_path / 'o').exists()
+
+
+def test_unknown_key_suggests_the_right_one(tmp_path):
+    assert_clean_error(run_cli('train.py', '--n_layr=4'), "'n_layr'", "did you mean 'n_layer'")
+
+
+def test_wrong_type_is_named():
+    assert_clean_error(run_cli('train.py', '--n_layer=abc'), 'n_layer expects int', "'abc'")
+    assert_clean_error(run_cli('train.py', '--compile=1'), 'compile expects bool')
+
+
+def test_missing_config_file():
+    assert_clean_error(run_cli('train.py', 'config/no_such_config.py'), 'no_such_config.py', 'not found')
+
+
+def test_missing_dataset(tmp_path):
+    result = run_cli('train.py', '--dataset=no/such/file.txt', f'--out_dir={tmp_path / "o"}',
+                     f'--data_dir={tmp_path / "d"}')
+    assert_clean_error(result, 'no/such/file.txt', 'pydoc')
+    assert not (tmp_path / 'o' / 'ckpt.pt').exists()
+
+
+def test_missing_checkpoint_on_resume(tmp_path):
+    result = run_cli('train.py', '--init_from=resume', f'--out_dir={tmp_path}')
+    assert_clean_error(result, 'no checkpoint', str(tmp_path))
+
+
+def test_corrupt_checkpoint_on_resume_is_reported_and_left_untouched(tmp_path):
+    ckpt = tmp_path / 'ckpt.pt'
+    ckpt.write_bytes(b'PK\x03\x04 this is not a checkpoint')
+    result = run_cli('train.py', '--init_from=resume', f'--out_dir={tmp_path}')
+    assert_clean_error(result, 'unreadable', str(ckpt))
+    assert ckpt.read_bytes() == b'PK\x03\x04 this is not a checkpoint'
+    assert not (tmp_path / 'log.jsonl').exists()
+
+
+def test_scratch_run_never_overwrites_an_existing_checkpoint(tmp_path):
+    (tmp_path / 'ckpt.pt').write_bytes(b'precious')
+    assert_clean_error(run_cli('train.py', f'--out_dir={tmp_path}'), 'already exists', '--init_from=resume')
+    assert (tmp_path / 'ckpt.pt').read_bytes() == b'precious'
+
+
+def test_config_file_and_overrides_are_type_checked(tmp_path):
+    config = tmp_path / 'cfg.py'
+    config.write_text('import math\nn_layer = 3\nlearning_rate = 1\ndataset = "text8"\n')
+    cfg, given = train.parse_config([str(config), '--n_layer=5', '--out_dir=123'])
+    assert cfg['n_layer'] == 5 and cfg['learning_rate'] == 1.0 and isinstance(cfg['learning_rate'], float)
+    assert cfg['dataset'] == 'text8' and cfg['out_dir'] == '123'
+    assert given == {'n_layer', 'learning_rate', 'dataset', 'out_dir'}
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+def test_crash_during_save_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch):
+    path = str(tmp_path / 'ckpt.pt')
+    train.save_checkpoint({'iter_num': 1, 'w': torch.ones(3)}, path)
+    real_save = torch.save
+
+    def dying_save(obj, f):
+        real_save(obj, f)
+        f.seek(f.tell() // 2)
+        f.truncate()  # half a file written ...
+        raise KeyboardInterrupt  # ... and then the process is interrupted
+    monkeypatch.setattr(torch, 'save', dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        train.save_checkpoint({'iter_num': 2, 'w': torch.zeros(3)}, path)
+    ckpt = train.load_checkpoint(path)
+    assert ckpt['iter_num'] == 1 and torch.equal(ckpt['w'], torch.ones(3))
+
+
+def read_train_losses(log_path):
+    losses = {}
+    for line in open(log_path):
+        record = json.loads(line)
+        if 'loss' in record:
+            losses[record['iter']] = record['loss']
+    return losses
+
+
+def test_killed_run_resumes_with_the_uninterrupted_losses(tmp_path, data_dir):
+    """SIGKILL a run mid-way, resume it, and get the losses of a run that was never interrupted."""
+    args = ['--dataset=pydoc', f'--data_dir={data_dir}', '--max_iters=300', '--eval_interval=40',
+            '--log_interval=1', '--dropout=0.1', *TINY_TRAIN]
+    whole = run_cli('train.py', f'--out_dir={tmp_path / "whole"}', *args)
+    assert whole.returncode == 0, whole.stderr
+    expected = read_train_losses(tmp_path / 'whole' / 'log.jsonl')
+
+    out = tmp_path / 'killed'
+    proc = subprocess.Popen([sys.executable, str(ROOT / 'train.py'), f'--out_dir={out}', *args], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and max(read_train_losses(out / 'log.jsonl') if (out / 'log.jsonl').exists()
+                                         else {}, default=0) < 130:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, 'the run ended before it could be killed'
+    resumed_from = train.load_checkpoint(str(out / 'ckpt.pt'))['iter_num']
+    assert 0 < resumed_from < 300
+
+    resumed = run_cli('train.py', f'--out_dir={out}', '--init_from=resume')  # config comes from ckpt
+    assert resumed.returncode == 0, resumed.stderr
+    got = read_train_losses(out / 'log.jsonl')  # later lines (the resumed run) win
+    assert set(got) == set(expected)
+    for it in expected:
+        assert got[it] == pytest.approx(expected[it], rel=1e-6, abs=1e-7), it
+
+
+def test_resume_refuses_to_change_the_model(tmp_path, data_dir):
+    result = run_cli('train.py', f'--out_dir={tmp_path}', f'--data_dir={data_dir}', '--max_iters=2',
+                     '--eval_interval=2', *TINY_TRAIN)
+    assert result.returncode == 0, result.stderr
+    assert_clean_error(run_cli('train.py', f'--out_dir={tmp_path}', '--init_from=resume', '--n_layer=3'),
+                       'n_layer=2', 'cannot change')
+
+
+def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, data_dir):
+    result = run_cli('train.py', f'--out_dir={tmp_path}', f'--data_dir={data_dir}', '--max_iters=60',
+                     '--eval_interval=5', *TINY_TRAIN, '--learning_rate=1e12', '--warmup_iters=0', '--grad_clip=0.0')
+    assert_clean_error(result, 'loss is', 'nan', 'last good checkpoint')
+    ckpt = train.load_checkpoint(str(tmp_path / 'ckpt.pt'))
+    assert math.isfinite(ckpt['val_loss'])
+
+
+def test_sample_prints_text_from_a_trained_checkpoint(tmp_path, data_dir):
+    result = run_cli('train.py', f'--out_dir={tmp_path}', f'--data_dir={data_dir}', '--max_iters=20',
+                     '--eval_interval=20', *TINY_TRAIN)
+    assert result.returncode == 0, result.stderr
+    result = run_cli('sample.py', f'--out_dir={tmp_path}', '--start=The ', '--num_samples=2',
+                     '--max_new_tokens=50', '--seed=3')
+    assert result.returncode == 0, result.stderr
+    samples = result.stdout.split('---------------\n')
+    assert len(samples) == 3 and all(s.startswith('The ') and len(s) >= 54 for s in samples[:2])
+    again = run_cli('sample.py', f'--out_dir={tmp_path}', '--start=The ', '--num_samples=2',
+                    '--max_new_tokens=50', '--seed=3')
+    assert again.stdout == result.stdout  # the seed makes it reproducible
+    assert_clean_error(run_cli('sample.py', f'--out_dir={tmp_path / "nothing"}'), 'no checkpoint')

@@ -1,0 +1,394 @@
+"""
+Train a GPT with a chosen residual method, nanoGPT-style.
+
+    python train.py                                   # embedded text, small model, CPU minutes
+    python train.py --residual=wav --n_layer=48 --dataset=text8
+    python train.py config/some_config.py --seed=2    # config files, then --key=value
+    python train.py --out_dir=out --init_from=resume  # continue a run where it stopped
+    torchrun --standalone --nproc_per_node=2 train.py --device=cpu   # DDP (gloo on CPU)
+
+Every default below, and every field of model.GPTConfig, is a key. Values are type-checked
+against the defaults; unknown keys and bad values fail with a message naming the valid ones.
+"""
+import ast
+import difflib
+import json
+import math
+import os
+import sys
+import time
+import types
+from contextlib import nullcontext
+from dataclasses import asdict, fields
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+import data
+from model import GPT, GPTConfig
+from residuals import RESIDUALS
+
+# -----------------------------------------------------------------------------
+# defaults: a small model that learns the embedded text in a few CPU minutes
+# I/O
+out_dir = 'out'
+init_from = 'scratch'  # 'scratch' or 'resume' (continue out_dir/ckpt.pt)
+eval_interval = 200
+eval_tokens = 32768  # fixed validation budget: the first eval_tokens+1 tokens of the val split
+log_interval = 10
+seed = 1337
+# data
+dataset = 'pydoc'  # see data.py
+data_dir = 'data'
+batch_size = 32  # sequences per micro-step
+gradient_accumulation_steps = 1  # micro-steps per step, over all processes (fixed global batch)
+block_size = 128
+# model (any other GPTConfig field works too, e.g. --layerscale_init=0.01)
+residual = 'prenorm'
+n_layer = 4
+n_head = 4
+n_embd = 128
+dropout = 0.0
+# AdamW with warmup and cosine decay
+learning_rate = 2e-3
+max_iters = 1500
+weight_decay = 0.1
+beta1 = 0.9
+beta2 = 0.99
+grad_clip = 1.0  # 0 = off
+warmup_iters = 100
+lr_decay_iters = 0  # 0 = max_iters
+min_lr = 2e-4
+# system
+device = 'auto'  # auto = cuda > mps > cpu; or e.g. cpu, cuda, cuda:1
+dtype = 'auto'  # auto = bfloat16 on a GPU that supports it, else float32
+compile = False
+# -----------------------------------------------------------------------------
+
+DERIVED = {'vocab_size'}  # GPTConfig fields that come from the dataset, not the command line
+CHOICES = {
+    'residual': tuple(RESIDUALS),
+    'init_from': ('scratch', 'resume'),
+    'dtype': ('auto', 'float32', 'bfloat16'),
+}
+MODEL_KEYS = [f.name for f in fields(GPTConfig) if f.name not in DERIVED]
+
+
+def default_config():
+    cfg = {f.name: f.default for f in fields(GPTConfig) if f.name not in DERIVED}
+    cfg.update({k: v for k, v in globals().items()
+                if not k.startswith('_') and k.isidentifier() and type(v) in (int, float, bool, str)})
+    return cfg
+
+
+def set_key(cfg, key, value, where):
+    """Type-check value against the default of key and store it; exit with a clear line if bad."""
+    if key not in cfg:
+        close = difflib.get_close_matches(key, cfg, n=1)
+        sys.exit(f"error: unknown key {key!r} in {where}" + (f"; did you mean {close[0]!r}?" if close else
+                 "; run with --help to list the keys"))
+    default = cfg[key]
+    if type(default) is float and type(value) is int:
+        value = float(value)
+    if type(value) is not type(default):
+        sys.exit(f"error: {key} expects {type(default).__name__} (like {default!r}), got {value!r} in {where}")
+    if key in CHOICES and value not in CHOICES[key]:
+        sys.exit(f"error: {key}={value!r} is not valid; choose one of: {', '.join(CHOICES[key])}")
+    cfg[key] = value
+
+
+def apply_override(cfg, arg):
+    """Apply one --key=value: strings are taken as written (--dataset=text8, --out_dir=123),
+    other values are parsed as Python literals and type-checked. Returns the key."""
+    key, eq, raw = arg.removeprefix('--').partition('=')
+    if not arg.startswith('--') or not eq:
+        sys.exit(f"error: {arg!r} is not of the form --key=value")
+    value = raw
+    if not isinstance(cfg.get(key), str):
+        try:
+            value = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            pass
+    set_key(cfg, key, value, arg)
+    return key
+
+
+def parse_config(argv):
+    """Defaults, then config files (python files setting keys), then --key=value, in order.
+    Returns the config and the set of keys the command line or a config file set explicitly."""
+    cfg, given = default_config(), set()
+    for arg in argv:
+        if arg in ('-h', '--help'):
+            print(__doc__ + '\nkeys and defaults:\n' + '\n'.join(f'  --{k}={v!r}' for k, v in cfg.items()))
+            sys.exit(0)
+        if arg.startswith('--'):
+            given.add(apply_override(cfg, arg))
+        else:
+            if not os.path.isfile(arg):
+                sys.exit(f"error: config file {arg!r} not found (positional arguments are config files; "
+                         f"overrides are written --key=value)")
+            scope = {}
+            exec(open(arg).read(), scope)
+            for key, value in scope.items():
+                if not key.startswith('_') and not callable(value) and not isinstance(value, types.ModuleType):
+                    set_key(cfg, key, value, arg)
+                    given.add(key)
+    return cfg, given
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+class CheckpointError(Exception):
+    """A checkpoint that is missing, unreadable or does not match the command line."""
+
+
+def save_checkpoint(obj, path):
+    """Atomic: write a temporary file, flush it to disk, then rename over the old one. A crash
+    at any point leaves the previous checkpoint intact."""
+    tmp = path + '.tmp'
+    with open(tmp, 'wb') as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path, map_location='cpu'):
+    if not os.path.isfile(path):
+        raise CheckpointError(f"no checkpoint at {path}; train without --init_from=resume first, "
+                              f"or point --out_dir at the run's folder")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # torch raises several types for truncated or foreign files
+        raise CheckpointError(f"checkpoint {path} is unreadable ({type(e).__name__}: {str(e).splitlines()[0]}); "
+                              f"it is left untouched")
+
+
+# ----------------------------------------------------------------------------- data and eval
+
+def get_batch(tokens, offsets, block_size, device):
+    x = np.stack([tokens[i:i + block_size] for i in offsets]).astype(np.int64)
+    y = np.stack([tokens[i + 1:i + 1 + block_size] for i in offsets]).astype(np.int64)
+    x, y = torch.from_numpy(x), torch.from_numpy(y)
+    if device.type == 'cuda':
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    return x.to(device), y.to(device)
+
+
+@torch.no_grad()
+def evaluate(model, val_tokens, cfg, device, ctx):
+    """Mean loss over the fixed validation windows: consecutive block_size windows from the start
+    of the val split, eval_tokens in all. The same tokens for every method, run and step."""
+    T = cfg['block_size']
+    n_windows = min(cfg['eval_tokens'], len(val_tokens) - 1) // T
+    model.eval()
+    total, count = 0.0, 0
+    for start in range(0, n_windows, cfg['batch_size']):
+        offsets = [w * T for w in range(start, min(start + cfg['batch_size'], n_windows))]
+        x, y = get_batch(val_tokens, offsets, T, device)
+        with ctx:
+            _, loss = model(x, y)
+        total += loss.item() * len(offsets)
+        count += len(offsets)
+    model.train()
+    return total / count
+
+
+def get_lr(it, cfg):
+    """Linear warmup, then cosine decay to min_lr at lr_decay_iters (0 = max_iters)."""
+    decay_iters = cfg['lr_decay_iters'] or cfg['max_iters']
+    if it < cfg['warmup_iters']:
+        return cfg['learning_rate'] * (it + 1) / (cfg['warmup_iters'] + 1)
+    if it >= decay_iters:
+        return cfg['min_lr']
+    ratio = (it - cfg['warmup_iters']) / max(1, decay_iters - cfg['warmup_iters'])
+    return cfg['min_lr'] + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg['learning_rate'] - cfg['min_lr'])
+
+
+def val_metrics(val_loss, char_level):
+    metrics = {'val_loss': val_loss, 'val_ppl': math.exp(min(val_loss, 700))}
+    if char_level:
+        metrics['val_bpc'] = val_loss / math.log(2)
+    return metrics
+
+
+# ----------------------------------------------------------------------------- main
+
+def resume_config(cfg, given):
+    """For --init_from=resume: load out_dir/ckpt.pt and continue with its config, except for the
+    keys given on this command line (e.g. a larger max_iters). Model keys cannot change."""
+    ckpt_path = os.path.join(cfg['out_dir'], 'ckpt.pt')
+    if cfg['init_from'] != 'resume':
+        if os.path.exists(ckpt_path):
+            raise CheckpointError(f"{ckpt_path} already exists; continue it with --init_from=resume, or choose "
+                                  f"another --out_dir (nothing was overwritten)")
+        return None
+    ckpt = load_checkpoint(ckpt_path)
+    for key in MODEL_KEYS:
+        if key in given and cfg[key] != ckpt['config'][key]:
+            raise CheckpointError(f"{ckpt_path} was trained with {key}={ckpt['config'][key]!r}; "
+                                  f"--{key}={cfg[key]!r} cannot change it on resume")
+    cfg.update({k: v for k, v in ckpt['config'].items() if k not in given})
+    return ckpt
+
+
+def build(cfg, device):
+    """The dataset and the model; raises DataError or ValueError on bad input."""
+    ds = data.load(cfg['dataset'], cfg['data_dir'])
+    for split in ('train', 'val'):
+        if len(ds.splits[split]) <= cfg['block_size']:
+            raise data.DataError(f"the {split} split of {cfg['dataset']} has {len(ds.splits[split])} tokens, "
+                                 f"fewer than block_size={cfg['block_size']}+1")
+    gptconf = GPTConfig(**{k: cfg[k] for k in MODEL_KEYS}, vocab_size=ds.vocab_size)
+    return ds, GPT(gptconf).to(device)
+
+
+def main(argv):
+    cfg, given = parse_config(argv)
+    try:  # everything that can fail on bad input, before anything is written
+        ckpt = resume_config(cfg, given)
+    except CheckpointError as e:
+        sys.exit(f"error: {e}")
+    ddp = int(os.environ.get('RANK', -1)) != -1
+    if ddp:
+        backend = 'nccl' if cfg['device'] != 'cpu' and torch.cuda.is_available() else 'gloo'
+        torch.distributed.init_process_group(backend=backend)
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        if cfg['gradient_accumulation_steps'] % world:
+            sys.exit(f"error: gradient_accumulation_steps={cfg['gradient_accumulation_steps']} must be a "
+                     f"multiple of the number of processes ({world})")
+    else:
+        rank, world = 0, 1
+    master = rank == 0
+    if ddp and backend == 'nccl':
+        device = torch.device(f"cuda:{int(os.environ['LOCAL_RANK'])}")
+        torch.cuda.set_device(device)
+    elif cfg['device'] == 'auto':
+        device = torch.device('cuda' if torch.cuda.is_available() else
+                              'mps' if torch.backends.mps.is_available() else 'cpu')
+    else:
+        device = torch.device(cfg['device'])
+    dtype = cfg['dtype']
+    if dtype == 'auto':
+        dtype = 'bfloat16' if device.type == 'cuda' and torch.cuda.is_bf16_supported() else 'float32'
+    ctx = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device.type, dtype=getattr(torch, dtype))
+    torch.manual_seed(cfg['seed'] + rank)
+    try:
+        ds, model = build(cfg, device)
+        if ckpt is not None:
+            model.load_state_dict(ckpt['model'])
+    except (data.DataError, ValueError, RuntimeError) as e:
+        sys.exit(f"error: {e}")
+    if master:
+        os.makedirs(cfg['out_dir'], exist_ok=True)
+    raw_model = model
+    optimizer = model.configure_optimizers(cfg['weight_decay'], cfg['learning_rate'],
+                                           (cfg['beta1'], cfg['beta2']), device.type)
+    # One generator, seeded alike on every rank, draws each step's global batch; rank r takes
+    # micro-steps r, r+world, ... So the data equal one process's, and resume restores them exactly.
+    data_gen = torch.Generator().manual_seed(cfg['seed'])
+    iter_num, best_val_loss, resumed_from = 0, float('inf'), -1
+    if ckpt is not None:
+        optimizer.load_state_dict(ckpt['optimizer'])
+        iter_num = resumed_from = ckpt['iter_num']
+        best_val_loss = ckpt['best_val_loss']
+        data_gen.set_state(ckpt['rng']['data'])
+        if rank == 0:
+            torch.set_rng_state(ckpt['rng']['torch'])  # dropout; other ranks keep their own seeds
+        del ckpt
+    if cfg['compile']:
+        model = torch.compile(model)
+    if ddp:
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == 'cuda' else None)
+
+    log_path = os.path.join(cfg['out_dir'], 'log.jsonl')
+
+    def log(record):
+        if master:
+            with open(log_path, 'a') as f:
+                f.write(json.dumps(record) + '\n')
+
+    G, B, T = cfg['gradient_accumulation_steps'], cfg['batch_size'], cfg['block_size']
+    tokens_per_iter = G * B * T
+    train_tokens, val_tokens = ds.splits['train'], ds.splits['val']
+    if master:
+        print(f"{cfg['residual']}: {raw_model.get_num_params() / 1e6:.3f}M parameters, {cfg['dataset']} "
+              f"(vocab {ds.vocab_size}), {tokens_per_iter:,} tokens/step, {world} process(es) on {device} {dtype}")
+    log({'event': 'resume' if resumed_from >= 0 else 'start', 'iter': iter_num, 'config': cfg})
+    def stop_nonfinite(what, value):
+        bar.close()
+        sys.exit(f"error: {what} loss is {value} at iter {iter_num}; stopped. The last good checkpoint is kept "
+                 f"in {cfg['out_dir']}. Try a lower learning_rate, or dtype=float32.")
+
+    metrics = {}
+    bar = tqdm(total=cfg['max_iters'], initial=iter_num, disable=not master, dynamic_ncols=True, desc='train')
+    t_start = t_last = time.time()
+    while True:
+        if master and (iter_num == cfg['max_iters'] or iter_num % cfg['eval_interval'] == 0) and iter_num != resumed_from:
+            val_loss = evaluate(raw_model, val_tokens, cfg, device, ctx)
+            if not math.isfinite(val_loss):
+                stop_nonfinite('val', val_loss)
+            metrics = val_metrics(val_loss, ds.char_level)
+            bar.write(f"iter {iter_num}: " + ', '.join(f'{k} {v:.4f}' for k, v in metrics.items()))
+            log({'iter': iter_num, **metrics})
+            best_val_loss = min(best_val_loss, val_loss)
+            checkpoint = {
+                'model': raw_model.state_dict(), 'optimizer': optimizer.state_dict(),
+                'model_args': asdict(raw_model.config), 'config': cfg, 'iter_num': iter_num,
+                'val_loss': val_loss, 'best_val_loss': best_val_loss,
+                'rng': {'torch': torch.get_rng_state(), 'data': data_gen.get_state()},
+            }
+            save_checkpoint(checkpoint, os.path.join(cfg['out_dir'], 'ckpt.pt'))
+            if val_loss == best_val_loss:
+                save_checkpoint(checkpoint, os.path.join(cfg['out_dir'], 'best.pt'))
+        if iter_num >= cfg['max_iters']:
+            break
+
+        lr = get_lr(iter_num, cfg)
+        for group in optimizer.param_groups:
+            group['lr'] = lr
+        offsets = torch.randint(len(train_tokens) - T, (G, B), generator=data_gen)[rank::world]
+        loss_sum = torch.zeros((), device=device)
+        for micro, micro_offsets in enumerate(offsets):
+            x, y = get_batch(train_tokens, micro_offsets.tolist(), T, device)
+            if ddp:  # all-reduce gradients on the last micro-step only
+                model.require_backward_grad_sync = micro == len(offsets) - 1
+            with ctx:
+                _, loss = model(x, y)
+            (loss / G).backward()
+            loss_sum += loss.detach() / G
+        if cfg['grad_clip']:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg['grad_clip'])
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if ddp:
+            torch.distributed.all_reduce(loss_sum)
+        lossf = loss_sum.item()
+        if not math.isfinite(lossf):
+            stop_nonfinite('training', lossf)
+        iter_num += 1
+        bar.update(1)
+        if iter_num % cfg['log_interval'] == 0 or iter_num == cfg['max_iters']:
+            now = time.time()
+            steps = cfg['log_interval'] if iter_num % cfg['log_interval'] == 0 else iter_num % cfg['log_interval']
+            tok_s = steps * tokens_per_iter / max(now - t_last, 1e-9)
+            t_last = now
+            bar.set_postfix(loss=f'{lossf:.4f}', tok_s=f'{tok_s:,.0f}')
+            log({'iter': iter_num, 'loss': lossf, 'lr': lr, 'tokens_per_s': tok_s})
+    bar.close()
+    if master:
+        wall = time.time() - t_start
+        if metrics:
+            print(f"final val loss {metrics['val_loss']:.4f} nats" +
+                  (f", {metrics['val_bpc']:.4f} bpc" if 'val_bpc' in metrics else '') +
+                  f", ppl {metrics['val_ppl']:.3f} at iter {iter_num} ({wall:.0f}s)")
+        else:
+            print(f"{cfg['out_dir']} already finished at iter {iter_num}; nothing to do")
+    if ddp:
+        torch.distributed.destroy_process_group()
+    return metrics
+
+
+if __name__ == '__main__':
+    main(sys.argv[1:])
