@@ -35,6 +35,12 @@ class GPTConfig:
     wav_detail_readout: bool = False  # True: the output mixer reads the detail sources too
     wav_levels: int = 1  # Haar levels of detail bases (beyond the paper); 1 = the paper's split basis
     wav_learned_basis: bool = False  # learnable zero-sum detail coefficients (beyond the paper)
+    hc_streams: int = 4  # streams of hc and mhc_lite
+    hc_dynamic: bool = True  # hc: input-dependent connections on top of the static ones
+    mgr_streams: int = 4
+    mgr_gate: str = 'competitive'  # or 'independent'
+    mgr_b_base: float = -3.0  # gate bias of the reference depth, see mgr_L_base
+    mgr_L_base: float = 21.0  # reference number of gated sublayers for the depth-scaled gate init
 
     def __post_init__(self):
         if self.residual not in RESIDUALS:
@@ -44,6 +50,8 @@ class GPTConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} must be a multiple of n_head={self.n_head}")
+        if self.hc_streams < 1 or self.mgr_streams < 1:
+            raise ValueError("hc_streams and mgr_streams must be at least 1")
         if self.res_block_size < 0 or self.wav_levels < 1 or self.wav_rho <= 0:
             raise ValueError("res_block_size must be >= 0 (0 = auto), wav_levels >= 1 and wav_rho > 0")
         if not 0.0 <= self.dropout < 1.0:

@@ -10,6 +10,8 @@ Everything here works per token, so causality is the attention's alone.
 To add a method: write one class below and add one line to RESIDUALS at the bottom.
 """
 import functools
+import itertools
+import math
 
 import torch
 import torch.nn as nn
@@ -232,6 +234,148 @@ class WAV(BlockAttnRes):
         return padded[torch.tensor(kinds, device=padded.device) + 1]
 
 
+# ----------------------------------------------------------------------------- multi-stream
+
+class HyperConnections(nn.Module):
+    """Hyper-Connections: n streams H (B, T, n, C); per sublayer the width connection gives the
+    input h = A_m^T H and the mixed streams H' = A_r^T H, the depth connection H <- B^T f(h) + H'
+    (Zhu et al., arXiv 2409.19606). Dynamic: tanh projections of RMSNorm(H) added to A and B.
+    Readout: the mean of the streams (SPEC says sum; the final norm removes the factor n up to its
+    eps, and the mean makes HC at init equal PreNorm exactly)."""
+    sublayer_norm = True
+
+    def __init__(self, config):
+        super().__init__()
+        n, L, C = config.hc_streams, 2 * config.n_layer, config.n_embd
+        self.n, self.dynamic = n, config.hc_dynamic
+        width = torch.zeros(L, n, n + 1)  # [A_m | A_r] per sublayer, rows = streams
+        width[torch.arange(L), torch.arange(L) % n, 0] = 1.0  # A_m = e_{i mod n}
+        width[:, :, 1:] = torch.eye(n)  # A_r = I
+        self.width = nn.Parameter(width)
+        self.depth = nn.Parameter(torch.ones(L, n))  # B = 1
+        if self.dynamic:
+            self.width_proj = nn.Parameter(torch.zeros(L, C, n + 1))  # W_a
+            self.depth_proj = nn.Parameter(torch.zeros(L, C))  # W_b
+            self.width_scale = nn.Parameter(torch.full((L,), 0.01))  # s_a
+            self.depth_scale = nn.Parameter(torch.full((L,), 0.01))  # s_b
+        self.recorded = None  # set to [] to collect the streams after every sublayer
+
+    def forward(self, x, sublayers):
+        H = x.unsqueeze(-2).expand(*x.shape[:-1], self.n, x.shape[-1])  # e copied into n streams
+        for i, f in enumerate(sublayers):
+            width, depth = self.width[i], self.depth[i]
+            if self.dynamic:
+                Hn = rms_norm(H)
+                width = width + self.width_scale[i] * torch.tanh(Hn @ self.width_proj[i])  # (B, T, n, n+1)
+                depth = depth + self.depth_scale[i] * torch.tanh(Hn @ self.depth_proj[i])  # (B, T, n)
+            mixed = width.transpose(-1, -2) @ H  # row 0: A_m^T H, rows 1..n: A_r^T H
+            h, H = mixed[..., 0, :], mixed[..., 1:, :]
+            H = H + depth.unsqueeze(-1) * f(h).unsqueeze(-2)
+            if self.recorded is not None:
+                self.recorded.append(H.detach())
+        return H.mean(dim=-2)
+
+
+class MHCLite(nn.Module):
+    """mHC-lite: x <- H_res x + H_post^T f(H_pre x) over n streams, H_res an exact convex mix of
+    all n! permutation matrices, so doubly stochastic without Sinkhorn (arXiv 2601.05732, after
+    mHC, arXiv 2512.24880). Coefficients come from x' = RMSNorm of the flattened streams."""
+    sublayer_norm = True
+
+    def __init__(self, config):
+        super().__init__()
+        n, L, C = config.hc_streams, 2 * config.n_layer, config.n_embd
+        if n > 6:
+            raise ValueError(f"mhc_lite sums over all n! permutation matrices: hc_streams={n} would need "
+                             f"{math.factorial(n)}; use hc_streams <= 6")
+        self.n = n
+        perms = torch.tensor(list(itertools.permutations(range(n))))  # the identity comes first
+        self.register_buffer('permutations', torch.eye(n)[perms], persistent=False)  # (n!, n, n)
+        self.proj = nn.Parameter(torch.zeros(L, n * C, 2 * n + len(perms)))  # [W_pre | W_post | W_res]
+        self.alpha = nn.Parameter(torch.full((L, 3), 0.01))  # a_pre, a_post, a_res
+        bias = torch.full((L, 2 * n + len(perms)), -1.0)
+        bias[torch.arange(L), torch.arange(L) % n] = 1.0  # b_pre: +1 on stream i mod n
+        bias[torch.arange(L), n + torch.arange(L) % n] = 1.0  # b_post likewise
+        bias[:, 2 * n] = 0.0  # b_res: 0 for the identity permutation ...
+        bias[:, 2 * n + 1:] = -8.0  # ... -8 for the others
+        self.bias = nn.Parameter(bias)
+        self.recorded = None  # set to [] to collect the streams after every sublayer
+
+    def coefficients(self, i, x):
+        """H_pre (B, T, n), H_post (B, T, n), H_res (B, T, n, n) of sublayer i for streams x (B, T, n, C)."""
+        n = self.n
+        flat = rms_norm(x.flatten(-2)) @ self.proj[i]
+        a_pre, a_post, a_res = self.alpha[i]
+        b = self.bias[i]
+        h_pre = torch.sigmoid(a_pre * flat[..., :n] + b[:n])
+        h_post = 2 * torch.sigmoid(a_post * flat[..., n:2 * n] + b[n:2 * n])
+        perm_weights = torch.softmax(a_res * flat[..., 2 * n:] + b[2 * n:], dim=-1)
+        h_res = torch.einsum('btp,pkj->btkj', perm_weights, self.permutations.to(perm_weights.dtype))
+        return h_pre, h_post, h_res
+
+    def forward(self, x, sublayers):
+        x = x.unsqueeze(-2).expand(*x.shape[:-1], self.n, x.shape[-1])
+        for i, f in enumerate(sublayers):
+            h_pre, h_post, h_res = self.coefficients(i, x)
+            update = f((h_pre.unsqueeze(-2) @ x).squeeze(-2))
+            x = h_res @ x + h_post.unsqueeze(-1) * update.unsqueeze(-2)
+            if self.recorded is not None:
+                self.recorded.append(x.detach())
+        return x.sum(dim=-2)
+
+
+class MultiGateResiduals(nn.Module):
+    """Multi-Gate Residuals: n streams s_j (n, B, T, C); an AttnPool reads h_i = sum_j alpha_j s_j and
+    every stream takes a convex step towards the update, s_j <- (1 - beta_j) s_j + beta_j f_i(h_i),
+    with independent (sigmoid) or competitive (softmax with a keep logit) gates (arXiv 2605.23259)."""
+    sublayer_norm = True
+
+    def __init__(self, config):
+        super().__init__()
+        n, C = config.mgr_streams, config.n_embd
+        L = 2 * config.n_layer - (n - 1)  # gated sublayers: the first n-1 start the streams
+        if n < 1 or L < 1:
+            raise ValueError(f"mgr with mgr_streams={n} needs more than {n - 1} sublayers to start its "
+                             f"streams; use n_layer >= {n // 2 + 1} or fewer streams")
+        if config.mgr_gate not in ('independent', 'competitive'):
+            raise ValueError(f"mgr_gate={config.mgr_gate!r}; choose independent or competitive")
+        self.n, self.competitive, self.scale = n, config.mgr_gate == 'competitive', C ** -0.5
+        self.pool_queries = nn.Parameter(torch.zeros(2 * config.n_layer + 1, C))  # w_i; the last reads out
+        self.gate_queries = nn.Parameter(torch.zeros(L, C))  # v_i
+        # depth-scaled init: every gate starts at g = sigmoid(b_base) * sqrt(L_base / L)
+        g = torch.sigmoid(torch.tensor(config.mgr_b_base)).item() * math.sqrt(config.mgr_L_base / L)
+        if self.competitive and g * n >= 1:
+            raise ValueError(f"mgr: the initial gate {g:.3f} leaves no keep weight for {n} competing streams; "
+                             f"use more layers, fewer streams or a lower mgr_b_base")
+        bias = math.log(1 / g - n) if self.competitive else math.log(g / (1 - g))
+        self.gate_bias = nn.Parameter(torch.full((L,), bias))
+        self.recorded = None  # set to [] to collect the streams after every sublayer
+
+    def pool(self, i, streams):
+        return depth_mix(streams, self.pool_queries[i] * self.scale)[0]
+
+    def gates(self, j, streams):
+        """beta (n, B, T) of gated sublayer j, from each stream's own state."""
+        z = rms_norm(streams.float()) @ (self.gate_queries[j].float() * self.scale)
+        if self.competitive:  # softmax over [keep, stream 1..n]: the betas sum to less than 1
+            keep = self.gate_bias[j].float().expand_as(z[:1])
+            return torch.softmax(torch.cat([keep, z]), dim=0)[1:]
+        return torch.sigmoid(z + self.gate_bias[j].float())
+
+    def forward(self, x, sublayers):
+        streams = x.unsqueeze(0)  # s_1 = e
+        for i, f in enumerate(sublayers):
+            u = f(self.pool(i, streams))
+            if i < self.n - 1:  # accumulation phase: the update starts a new stream
+                streams = torch.cat([streams, u.unsqueeze(0)])
+            else:
+                beta = self.gates(i - (self.n - 1), streams).unsqueeze(-1).to(u.dtype)
+                streams = streams + beta * (u - streams)  # (1 - beta) s + beta u
+            if self.recorded is not None:
+                self.recorded.append(streams.detach())
+        return self.pool(len(sublayers), streams)
+
+
 RESIDUALS = {
     'prenorm': PreNorm,
     'rezero': ReZero,
@@ -240,4 +384,7 @@ RESIDUALS = {
     'block_attnres': BlockAttnRes,
     'delta_attnres': DeltaAttnRes,
     'wav': WAV,
+    'hc': HyperConnections,
+    'mhc_lite': MHCLite,
+    'mgr': MultiGateResiduals,
 }

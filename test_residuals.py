@@ -39,10 +39,11 @@ def tiny_model(residual, seed=0, **overrides):
 
 
 def randomize_routing(model, seed=1):
-    """Give every routing parameter a random value, so no zero init can hide a mixing bug."""
+    """Give every routing parameter (of a GPT, or of a bare residual module) a random value, so no
+    zero init can hide a mixing bug."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for p in model.residual.parameters():
+        for p in getattr(model, 'residual', model).parameters():
             p.add_(torch.randn(p.shape, generator=gen) * 0.5)
 
 
@@ -287,6 +288,99 @@ def test_48_layers_give_finite_logits_and_gradients(residual):
     assert torch.isfinite(logits).all() and torch.isfinite(loss)
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
     assert all(p.grad is not None for p in model.residual.parameters() if p.requires_grad)
+
+
+# ----------------------------------------------------------------------------- multi-stream
+
+@pytest.mark.parametrize('knobs', [{}, {'hc_dynamic': False}, {'hc_streams': 3}])
+def test_hc_at_init_equals_prenorm(knobs):
+    prenorm, hc = tiny_model('prenorm', n_layer=3), tiny_model('hc', n_layer=3, **knobs)
+    missing, unexpected = hc.load_state_dict(prenorm.state_dict(), strict=False)
+    assert not unexpected and all(k.startswith('residual.') for k in missing)
+    idx = torch.randint(27, (2, 32))
+    with torch.no_grad():
+        assert torch.allclose(hc(idx, idx)[0], prenorm(idx, idx)[0], atol=1e-5, rtol=0)
+        randomize_routing(hc)  # and the connections do matter once they move
+        assert not torch.allclose(hc(idx, idx)[0], prenorm(idx, idx)[0], atol=1e-3)
+
+
+@pytest.mark.parametrize('n', [2, 3, 4])
+def test_mhc_lite_h_res_is_doubly_stochastic(n):
+    router = routing('mhc_lite', 3, hc_streams=n)
+    gen = torch.Generator().manual_seed(n)
+    with torch.no_grad():  # random parameters far from the near-identity init
+        for p in (router.proj, router.alpha, router.bias):
+            p.copy_(torch.randn(p.shape, generator=gen))
+    x = torch.randn(2, 5, n, 16) * 3
+    for i in range(6):
+        h_pre, h_post, h_res = router.coefficients(i, x)
+        assert torch.allclose(h_res.sum(-1), torch.ones(2, 5, n), atol=1e-6)
+        assert torch.allclose(h_res.sum(-2), torch.ones(2, 5, n), atol=1e-6)
+        assert (h_res >= 0).all() and not torch.allclose(h_res, torch.eye(n).expand_as(h_res), atol=1e-3)
+        assert ((h_pre >= 0) & (h_pre <= 1)).all() and ((h_post >= 0) & (h_post <= 2)).all()
+
+
+def test_mhc_lite_init_and_too_many_streams():
+    router = routing('mhc_lite', 2)
+    h_pre, h_post, h_res = router.coefficients(1, torch.randn(1, 2, 4, 16))
+    assert torch.allclose(h_pre[0, 0], torch.sigmoid(torch.tensor([-1.0, 1.0, -1.0, -1.0])))
+    assert torch.allclose(h_post[0, 0], 2 * torch.sigmoid(torch.tensor([-1.0, 1.0, -1.0, -1.0])))
+    # a diagonal entry: the identity (logit 0) and the 3! - 1 other permutations fixing that point (-8)
+    diagonal = (1 + 5 * math.exp(-8)) / (1 + 23 * math.exp(-8))
+    assert torch.allclose(torch.diagonal(h_res[0, 0]), torch.full((4,), diagonal), atol=1e-6)
+    with pytest.raises(ValueError, match='hc_streams <= 6'):
+        routing('mhc_lite', 2, hc_streams=7)
+    assert_clean_error(run_cli('train.py', '--residual=mhc_lite', '--hc_streams=7'), 'hc_streams <= 6', '5040')
+
+
+def stream_norms(recorded):
+    return torch.stack([s.norm(dim=-1).max() for s in recorded])
+
+
+@pytest.mark.parametrize('gate', ['competitive', 'independent'])
+def test_mgr_stream_norms_are_bounded_where_prenorm_grows(gate):
+    """SPEC's bound: every stream's per-token norm stays <= max(|e|, max_i |f_i(h_i)|)."""
+    gen = torch.Generator().manual_seed(0)
+    e = torch.randn(2, 8, 16, generator=gen)
+    updates = [torch.randn(2, 8, 16, generator=gen) * 1000 for _ in range(12)]
+    bound = max(e.norm(dim=-1).max(), max(u.norm(dim=-1).max() for u in updates))
+    router = routing('mgr', 6, mgr_gate=gate)
+    randomize_routing(router)
+    with torch.no_grad():
+        router.gate_bias.add_(3.0)  # large gates: the streams move a lot
+    router.recorded = []
+    out = router(e, fake_sublayers(updates, []))
+    assert stream_norms(router.recorded).max() <= bound * (1 + 1e-6)
+    assert out.norm(dim=-1).max() <= bound * (1 + 1e-6)
+    assert stream_norms(router.recorded[-1:]) > 0.2 * bound  # the updates did get in
+    prenorm_out = routing('prenorm', 6)(e, fake_sublayers(updates, []))
+    assert prenorm_out.norm(dim=-1).max() > bound
+
+
+@pytest.mark.parametrize('gate', ['competitive', 'independent'])
+@pytest.mark.parametrize('L', [24, 48, 96])
+def test_mgr_gate_bias_gives_the_depth_scaled_initial_gate(gate, L):
+    for n in (3, 5):  # L gated sublayers after the n-1 that start the streams
+        router = routing('mgr', (L + n - 1) // 2, mgr_streams=n, mgr_gate=gate)
+        assert router.gate_queries.shape[0] == L
+        target = torch.sigmoid(torch.tensor(-3.0)).item() * math.sqrt(21 / L)
+        beta = router.gates(0, torch.randn(n, 2, 3, 16))
+        assert torch.allclose(beta, torch.full_like(beta, target), rtol=1e-5)
+        if gate == 'competitive':  # the paper's closed form
+            assert router.gate_bias[0].item() == pytest.approx(math.log(math.sqrt(L / 21) * (math.exp(3) + 1) - n))
+
+
+def test_mgr_accumulation_phase_starts_n_distinct_streams():
+    router = routing('mgr', 3, mgr_streams=4)
+    router.recorded = []
+    gen = torch.Generator().manual_seed(0)
+    router(torch.randn(1, 2, 16, generator=gen), fake_sublayers([torch.randn(1, 2, 16, generator=gen)
+                                                                 for _ in range(6)], []))
+    assert [len(s) for s in router.recorded] == [2, 3, 4, 4, 4, 4]
+    streams = router.recorded[2]
+    assert all(not torch.allclose(streams[a], streams[b]) for a in range(4) for b in range(a))
+    with pytest.raises(ValueError, match='needs more than 3 sublayers'):
+        routing('mgr', 1, mgr_streams=4)
 
 
 # ----------------------------------------------------------------------------- data

@@ -71,6 +71,7 @@ CHOICES = {
     'residual': tuple(RESIDUALS),
     'init_from': ('scratch', 'resume'),
     'dtype': ('auto', 'float32', 'bfloat16'),
+    'mgr_gate': ('independent', 'competitive'),
 }
 MODEL_KEYS = [f.name for f in fields(GPTConfig) if f.name not in DERIVED]
 
