@@ -68,7 +68,15 @@ class LayerScale(nn.Module):
 
 # ----------------------------------------------------------------------------- Attention Residuals
 
-def rms_norm(x, eps=1e-6):
+RMS_EPS = 1e-6
+
+
+def upcast(x):
+    """float32 for half-precision tensors (scores and softmax never run in bf16); others as they are."""
+    return x.float() if x.element_size() < 4 else x
+
+
+def rms_norm(x, eps=RMS_EPS):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
@@ -76,13 +84,49 @@ def depth_mix(sources, query, bias=None):
     """Softmax attention over depth: sum_s softmax_s(query . RMSNorm(v_s) + bias_s) v_s.
 
     sources (S, B, T, C), query (C,), bias (S,) or None -> mixed (B, T, C), weights (S, B, T).
-    Keys are normalised, values stay raw; scores and softmax in float32, no 1/sqrt(C) scale."""
-    values = sources.float()
-    logits = rms_norm(values) @ query.float()
+    Keys are normalised, values stay raw; scores and softmax in float32, no 1/sqrt(C) scale.
+    This is the reference: plain autograd, the oracle of DepthMix and of the kernels."""
+    values = upcast(sources)
+    logits = rms_norm(values) @ upcast(query)
     if bias is not None:
-        logits = logits + bias.float()[:, None, None]
+        logits = logits + upcast(bias)[:, None, None]
     weights = logits.softmax(dim=0)
     return torch.einsum('sbt,sbtc->btc', weights, values).to(sources.dtype), weights
+
+
+class DepthMix(torch.autograd.Function):
+    """depth_mix over a list of sources with a hand-written backward. It saves only per-token
+    statistics (S, B, T) and references to the sources, never a stacked copy: with plain autograd
+    every sublayer would keep its own (S, B, T, C) stack, L^2 memory for Full AttnRes.
+    With r_s = 1/RMS(v_s), l_s = r_s v_s.q + b_s, w = softmax(l), out = sum_s w_s v_s, and g the
+    output's gradient: dl_s = w_s (g.v_s - sum_s' w_s' g.v_s'), and
+    dv_s = w_s g + dl_s r_s q - dl_s r_s^2 (v_s.q r_s) v_s / C."""
+
+    @staticmethod
+    def forward(ctx, query, bias, *sources):
+        values = upcast(torch.stack(sources))
+        rinv = torch.rsqrt(values.pow(2).mean(-1) + RMS_EPS)  # r_s (S, B, T)
+        scores = rinv * (values @ upcast(query))  # q . RMSNorm(v_s)
+        weights = (scores if bias is None else scores + upcast(bias)[:, None, None]).softmax(dim=0)
+        mixed = torch.einsum('sbt,sbtc->btc', weights, values).to(sources[0].dtype)
+        ctx.save_for_backward(query, weights, rinv, scores, *sources)
+        ctx.has_bias = bias is not None
+        ctx.mark_non_differentiable(weights)
+        return mixed, weights
+
+    @staticmethod
+    def backward(ctx, grad_mixed, _):
+        query, weights, rinv, scores, *sources = ctx.saved_tensors
+        values, g = upcast(torch.stack(sources)), upcast(grad_mixed)
+        grad_weights = torch.einsum('sbtc,btc->sbt', values, g)  # g . v_s
+        grad_logits = weights * (grad_weights - (weights * grad_weights).sum(0))
+        grad_query = torch.einsum('sbt,sbtc->c', grad_logits * rinv, values)
+        grad_bias = grad_logits.sum(dim=(1, 2)) if ctx.has_bias else None
+        along_value = (grad_logits * rinv.square() * scores / values.shape[-1]).unsqueeze(-1)
+        grad_values = (weights.unsqueeze(-1) * g + (grad_logits * rinv).unsqueeze(-1) * upcast(query)
+                       - along_value * values)
+        return (grad_query.to(query.dtype), grad_bias,
+                *(grad_values[s].to(v.dtype) for s, v in enumerate(sources)))
 
 
 class DepthRouter(nn.Module):
@@ -97,7 +141,7 @@ class DepthRouter(nn.Module):
         self.recorded = None
 
     def mix(self, i, sources, bias=None):
-        mixed, weights = depth_mix(torch.stack(sources), self.queries[i], bias)
+        mixed, weights = DepthMix.apply(self.queries[i], bias, *sources)
         if self.recorded is not None:
             self.recorded.append(weights.detach())
         return mixed
@@ -173,7 +217,7 @@ def detail_signs(m, levels):
 
 def rms_match(detail, state, rho, eps=1e-6):
     """Detached RMS matching: rescale a detail tensor to its block's state RMS, at most rho times."""
-    rms = lambda v: v.float().pow(2).mean(-1, keepdim=True).sqrt()
+    rms = lambda v: upcast(v).pow(2).mean(-1, keepdim=True).sqrt()
     scale = (rms(state) / (rms(detail) + eps)).clamp(max=rho).detach()
     return detail * scale.to(detail.dtype)
 
@@ -356,11 +400,11 @@ class MultiGateResiduals(nn.Module):
 
     def gates(self, j, streams):
         """beta (n, B, T) of gated sublayer j, from each stream's own state."""
-        z = rms_norm(streams.float()) @ (self.gate_queries[j].float() * self.scale)
+        z = rms_norm(upcast(streams)) @ (upcast(self.gate_queries[j]) * self.scale)
         if self.competitive:  # softmax over [keep, stream 1..n]: the betas sum to less than 1
-            keep = self.gate_bias[j].float().expand_as(z[:1])
+            keep = upcast(self.gate_bias[j]).expand_as(z[:1])
             return torch.softmax(torch.cat([keep, z]), dim=0)[1:]
-        return torch.sigmoid(z + self.gate_bias[j].float())
+        return torch.sigmoid(z + upcast(self.gate_bias[j]))
 
     def forward(self, x, sublayers):
         streams = x.unsqueeze(0)  # s_1 = e

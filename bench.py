@@ -1,0 +1,135 @@
+"""
+Cost of every residual method against prenorm, measured in one process.
+
+    python bench.py                                  # default config, every registered method
+    python bench.py --config=deep --methods=prenorm,block_attnres,wav --steps=5
+    python bench.py --compile=True --json=bench.json
+
+Steps are interleaved (step 1 of every method, then step 2, ...) so that machine noise hits all
+methods alike. Reports the median train-step time (forward + backward + AdamW step), tokens/s,
+the ratio to prenorm, parameters, the bytes that autograd saves for backward (activation memory,
+counted once per storage, parameters excluded; device-independent) and, on CUDA, peak memory.
+"""
+import json
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+
+import torch
+
+from model import GPT, GPTConfig
+from residuals import RESIDUALS
+from train import apply_override
+
+CONFIGS = {
+    'default': dict(n_layer=12, n_embd=384, n_head=6, block_size=256, batch_size=4),
+    'deep': dict(n_layer=48, n_embd=128, n_head=2, block_size=256, batch_size=4),
+}
+
+config = 'default'  # a key of CONFIGS
+methods = ','.join(RESIDUALS)  # comma-separated; prenorm is always measured, as the reference
+vocab_size = 96  # a character vocabulary
+steps = 5  # timed steps per method
+warmup = 2  # untimed steps per method first (compilation happens here)
+device = 'auto'
+dtype = 'auto'
+compile = False
+seed = 0
+json_path = ''  # write the results here too
+
+
+def saved_bytes(model, x, y):
+    """Bytes autograd keeps for backward in one forward: each storage counted once, parameters left out."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        _, loss = model(x, y)
+    del loss
+    return sum(storages.values())
+
+
+def main(argv):
+    cfg = {k: v for k, v in globals().items() if not k.startswith('_') and type(v) in (int, float, bool, str)}
+    for arg in argv:
+        apply_override(cfg, arg)
+    if cfg['config'] not in CONFIGS:
+        sys.exit(f"error: config={cfg['config']!r}; choose one of: {', '.join(CONFIGS)}")
+    names = ['prenorm'] + [m for m in cfg['methods'].split(',') if m and m != 'prenorm']
+    unknown = [m for m in names if m not in RESIDUALS]
+    if unknown:
+        sys.exit(f"error: unknown methods {unknown}; choose from: {', '.join(RESIDUALS)}")
+    dev = torch.device(cfg['device'] if cfg['device'] != 'auto' else 'cuda' if torch.cuda.is_available() else 'cpu')
+    dtype_name = cfg['dtype'] if cfg['dtype'] != 'auto' else (
+        'bfloat16' if dev.type == 'cuda' and torch.cuda.is_bf16_supported() else 'float32')
+    ctx = nullcontext() if dtype_name == 'float32' else torch.autocast(dev.type, dtype=getattr(torch, dtype_name))
+    shape = dict(CONFIGS[cfg['config']])
+    B, T = shape.pop('batch_size'), shape['block_size']
+    gen = torch.Generator().manual_seed(cfg['seed'])
+    x = torch.randint(cfg['vocab_size'], (B, T), generator=gen).to(dev)
+    y = torch.randint(cfg['vocab_size'], (B, T), generator=gen).to(dev)
+    print(f"bench: {cfg['config']} {shape}, batch {B}, on {dev} {dtype_name}, compile={cfg['compile']}, "
+          f"{cfg['warmup']} warm-up + {cfg['steps']} timed steps each, {torch.get_num_threads()} threads")
+
+    runs = {}
+    for name in names:
+        torch.manual_seed(cfg['seed'])
+        model = GPT(GPTConfig(**shape, vocab_size=cfg['vocab_size'], residual=name)).to(dev)
+        with ctx:
+            saved = saved_bytes(model, x, y)
+        optimizer = model.configure_optimizers(0.1, 1e-4, (0.9, 0.95), dev.type)
+        step_model = torch.compile(model) if cfg['compile'] else model
+        runs[name] = dict(model=model, step=step_model, optimizer=optimizer, times=[], saved=saved)
+
+    def train_step(run):
+        if dev.type == 'cuda':
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with ctx:
+            _, loss = run['step'](x, y)
+        loss.backward()
+        run['optimizer'].step()
+        run['optimizer'].zero_grad(set_to_none=True)
+        if dev.type == 'cuda':
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    for i in range(cfg['warmup'] + cfg['steps']):
+        for name, run in runs.items():  # interleaved
+            if dev.type == 'cuda' and i == cfg['warmup']:
+                torch.cuda.reset_peak_memory_stats()
+            dt = train_step(run)
+            if i >= cfg['warmup']:
+                run['times'].append(dt)
+        print(f"  round {i + 1}/{cfg['warmup'] + cfg['steps']} done", file=sys.stderr)
+
+    results = []
+    base = statistics.median(runs['prenorm']['times'])
+    base_saved = runs['prenorm']['saved']
+    for name, run in runs.items():
+        median = statistics.median(run['times'])
+        results.append(dict(method=name, step_ms=median * 1e3, tokens_per_s=B * T / median,
+                            ratio=median / base, params=run['model'].get_num_params(),
+                            saved_mb=run['saved'] / 2**20, saved_ratio=run['saved'] / base_saved))
+    print(f"\n{'method':<14} {'step ms':>9} {'tokens/s':>10} {'x prenorm':>10} {'params':>11} "
+          f"{'saved MB':>9} {'x prenorm':>10}")
+    for r in results:
+        print(f"{r['method']:<14} {r['step_ms']:>9.1f} {r['tokens_per_s']:>10,.0f} {r['ratio']:>10.2f} "
+              f"{r['params']:>11,} {r['saved_mb']:>9.1f} {r['saved_ratio']:>10.2f}")
+    if dev.type == 'cuda':
+        print(f"peak CUDA memory over all models: {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
+    if cfg['json_path']:
+        with open(cfg['json_path'], 'w') as f:
+            json.dump({'config': cfg, 'shape': shape, 'batch_size': B, 'device': str(dev), 'dtype': dtype_name,
+                       'results': results}, f, indent=1)
+    return results
+
+
+if __name__ == '__main__':
+    main(sys.argv[1:])
