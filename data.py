@@ -1,48 +1,104 @@
 """
 Datasets as flat token files (numpy memmaps) with JSON metadata, prepared once under data_dir:
 
-    data_dir/NAME/train.bin, val.bin   tokens, uint8 or uint16
-    data_dir/NAME/meta.json            vocabulary and facts about the split (never pickle)
+    data_dir/NAME/train.bin, val.bin (, test.bin)   tokens: uint8/uint16 for char level
+    data_dir/NAME/meta.json                         vocabulary and facts (never pickle)
+    data_dir/downloads/                             the downloaded files
 
-Datasets:
-    pydoc        the embedded default: the Python documentation's topic texts, shipped with
-                 every Python in the standard library (pydoc_data), ~465k characters, char level
-    PATH         any local text file, char level
+    python data.py NAME [--source=PATH_OR_URL] [--data_dir=DIR] [--shards=N]
 
-Prepare explicitly with `python data.py NAME [--data_dir=DIR]`; train.py prepares on first use.
-The validation split is the last 10% of the text: fixed and identical for every method and run.
+NAME:
+    pydoc        the embedded default: the Python documentation's topic texts, shipped with every
+                 Python in the standard library (pydoc_data), ~465k characters; no download
+    text8        100M characters of Wikipedia, a-z and space; 90M/5M/5M split; reported in bpc
+    tinystories  TinyStoriesV2-GPT4 train and valid files, char level
+    fineweb      GPT-2 token shards of FineWeb-10BT (--shards=N of them, plus the val shard)
+    PATH         any local UTF-8 text file, char level, last 10% for validation
+
+--source takes a local file (or folder, for fineweb) instead of the download, for offline
+machines. Downloads go to a .part file, resume when interrupted, are verified, then renamed.
 """
 import hashlib
 import json
 import os
 import shutil
 import sys
+import time
+import urllib.error
+import urllib.request
+import zipfile
 
 import numpy as np
+from tqdm import tqdm
 
 EMBEDDED = 'pydoc'
 VAL_FRACTION = 0.1
+
+TEXT8_URL = 'http://mattmahoney.net/dc/text8.zip'
+TEXT8_ZIP_BYTES = 31_344_016
+TEXT8_CHARS = 100_000_000
+TEXT8_MD5 = '3bea1919949baf155f99411df5fada7e'  # of the unzipped text
+TEXT8_VOCAB = ' abcdefghijklmnopqrstuvwxyz'
+
+TINYSTORIES_URL = 'https://huggingface.co/datasets/roneneldan/TinyStories/resolve/main/'
+TINYSTORIES_FILES = {'train': ('TinyStoriesV2-GPT4-train.txt', 2_227_753_162),
+                     'val': ('TinyStoriesV2-GPT4-valid.txt', 22_502_601)}
+STORY_SEPARATOR = '<|endoftext|>'  # one token in our vocabulary
+UNKNOWN = '\ufffd'  # stands for every character rarer than TINYSTORIES_MIN_PER_MILLION
+TINYSTORIES_MIN_PER_MILLION = 1  # about 2,200 occurrences in the full train file
+
+FINEWEB_URL = 'https://huggingface.co/datasets/kjj0/fineweb10B-gpt2/resolve/main/'
+FINEWEB_MAGIC, FINEWEB_VERSION, FINEWEB_HEADER_INTS = 20240520, 1, 256
+FINEWEB_VOCAB, FINEWEB_VOCAB_PADDED = 50257, 50304  # padded to a multiple of 64 for speed
+FINEWEB_SHARDS = 4  # default number of train shards (~100M tokens each)
 
 
 class DataError(Exception):
     """Bad input about data: a missing dataset, a malformed file. The message says what to do."""
 
 
-def embedded_text():
-    from pydoc_data.topics import topics
-    return '\n\n'.join(topics[key] for key in sorted(topics))
+# ----------------------------------------------------------------------------- files
+
+def is_url(source):
+    return '://' in source
 
 
-def char_tokenize(text):
-    """Character-level tokens: the vocabulary is the sorted set of characters in the text."""
-    codepoints = np.frombuffer(text.encode('utf-32-le'), dtype=np.uint32)
-    uniq, ids = np.unique(codepoints, return_inverse=True)
-    vocab = [chr(c) for c in uniq]
-    return ids.astype(token_dtype(len(vocab))), vocab
-
-
-def token_dtype(vocab_size):
-    return np.uint8 if vocab_size <= 256 else np.uint16
+def download(url, dest, size=None):
+    """Fetch url into dest with a progress bar. Bytes go to dest.part, which a later call resumes
+    with an HTTP Range request; the file is renamed to dest only once complete (and size-checked)."""
+    if os.path.exists(dest):
+        return dest
+    os.makedirs(os.path.dirname(dest) or '.', exist_ok=True)
+    part = dest + '.part'
+    have = os.path.getsize(part) if os.path.exists(part) else 0
+    request = urllib.request.Request(url, headers={'Range': f'bytes={have}-'} if have else {})
+    try:
+        response = urllib.request.urlopen(request, timeout=60)
+    except urllib.error.HTTPError as e:
+        if e.code == 416 and have:  # the range is past the end: the .part is bad, start over
+            os.remove(part)
+            return download(url, dest, size)
+        raise DataError(f"downloading {url} failed: HTTP {e.code} {e.reason}")
+    except (urllib.error.URLError, OSError) as e:
+        raise DataError(f"cannot download {url} ({getattr(e, 'reason', e)}). On a machine without internet, "
+                        f"fetch that file elsewhere and put it at {dest}, or prepare from a local copy with "
+                        f"python data.py NAME --source=PATH")
+    with response:
+        if have and response.status != 206:  # the server ignored the range: start over
+            have = 0
+        length = response.headers.get('Content-Length')
+        total = have + int(length) if length else size
+        with open(part, 'ab' if have else 'wb') as f, \
+                tqdm(total=total, initial=have, unit='B', unit_scale=True, desc=os.path.basename(dest)) as bar:
+            while chunk := response.read(1 << 20):
+                f.write(chunk)
+                bar.update(len(chunk))
+    got = os.path.getsize(part)
+    if size is not None and got != size:
+        os.remove(part)
+        raise DataError(f"{url} gave {got:,} bytes, expected {size:,}; the partial file was deleted, run again")
+    os.replace(part, dest)
+    return dest
 
 
 def write_dataset(out_dir, splits, meta):
@@ -53,11 +109,47 @@ def write_dataset(out_dir, splits, meta):
     os.makedirs(tmp)
     for split, tokens in splits.items():
         tokens.tofile(os.path.join(tmp, f'{split}.bin'))
-    meta = dict(meta, splits={split: int(len(tokens)) for split, tokens in splits.items()})
-    with open(os.path.join(tmp, 'meta.json'), 'w') as f:
-        json.dump(meta, f, indent=1, ensure_ascii=False)
+    write_meta(tmp, dict(meta, splits={split: int(len(tokens)) for split, tokens in splits.items()}))
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
+
+
+def write_meta(folder, meta):
+    with open(os.path.join(folder, 'meta.json'), 'w') as f:
+        json.dump(meta, f, indent=1, ensure_ascii=False)
+
+
+def token_dtype(vocab_size):
+    return np.uint8 if vocab_size <= 256 else np.uint16
+
+
+def file_sha256(path):
+    h = hashlib.sha256()
+    with open(path, 'rb') as f:
+        for chunk in iter(lambda: f.read(1 << 20), b''):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------- char level
+
+def char_tokenize(text, vocab=None):
+    """Character tokens. The vocabulary is the sorted set of the text's characters unless given;
+    characters outside a given vocabulary map to UNKNOWN (which must then be in it)."""
+    codepoints = np.frombuffer(text.encode('utf-32-le'), dtype=np.uint32)
+    if vocab is None:
+        uniq, ids = np.unique(codepoints, return_inverse=True)
+        vocab = [chr(c) for c in uniq]
+        return ids.astype(token_dtype(len(vocab))), vocab
+    lookup = np.full(0x110000, vocab.index(UNKNOWN) if UNKNOWN in vocab else -1, dtype=np.int32)
+    for i, symbol in enumerate(vocab):
+        if len(symbol) == 1:
+            lookup[ord(symbol)] = i
+    ids = lookup[codepoints]
+    if (ids < 0).any():
+        bad = sorted({chr(c) for c in codepoints[ids < 0]})[:10]
+        raise DataError(f"characters {bad!r} are not in the vocabulary {''.join(vocab)!r}")
+    return ids.astype(token_dtype(len(vocab))), vocab
 
 
 def prepare_char_text(text, out_dir, source):
@@ -70,50 +162,247 @@ def prepare_char_text(text, out_dir, source):
                        dtype=np.dtype(token_dtype(len(vocab))).name, source=source))
 
 
-def file_sha256(path):
-    h = hashlib.sha256()
+def embedded_text():
+    from pydoc_data.topics import topics
+    return '\n\n'.join(topics[key] for key in sorted(topics))
+
+
+def prepare_pydoc(out_dir, data_dir, source):
+    prepare_char_text(embedded_text(), out_dir, source='pydoc_data.topics')
+
+
+def prepare_local_file(path, out_dir):
+    try:
+        with open(path, encoding='utf-8') as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path} is not UTF-8 text ({e}); char-level datasets need a UTF-8 text file")
+    prepare_char_text(text, out_dir, source=os.path.abspath(path))
+
+
+def prepare_text8(out_dir, data_dir, source):
+    """The standard split: first 90M characters train, next 5M val, last 5M test. Another size
+    (e.g. a slice) is split in the same proportions, with a warning."""
+    path = source if source and not is_url(source) else download(
+        source or TEXT8_URL, os.path.join(data_dir, 'downloads', 'text8.zip'), TEXT8_ZIP_BYTES)
+    if zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as z:
+            if 'text8' not in z.namelist():
+                raise DataError(f"{path} holds {z.namelist()[:5]}, not the file 'text8'")
+            raw = z.read('text8')
+    else:
+        with open(path, 'rb') as f:
+            raw = f.read()
+    if len(raw) != TEXT8_CHARS or hashlib.md5(raw).hexdigest() != TEXT8_MD5:
+        if not source:
+            raise DataError(f"{path} does not unzip to the canonical text8 (md5 {TEXT8_MD5}); delete it and run again")
+        print(f"warning: {path} is not the full text8 ({len(raw):,} characters, not {TEXT8_CHARS:,}); "
+              f"splitting it 90/5/5 all the same", file=sys.stderr)
+    tokens, vocab = char_tokenize(raw.decode('ascii'), list(TEXT8_VOCAB))
+    n_train, n_val = len(tokens) * 90 // 100, len(tokens) * 5 // 100
+    write_dataset(out_dir, {'train': tokens[:n_train], 'val': tokens[n_train:n_train + n_val],
+                            'test': tokens[n_train + n_val:]},
+                  dict(kind='char', vocab=vocab, vocab_size=len(vocab), dtype='uint8', source=path))
+
+
+def read_stories(path, chunk_bytes=1 << 24):
+    """Stream a TinyStories file as (text, bytes read) in chunks that end at a line end (so no
+    UTF-8 character is cut), each separator line turned into one \\x00 symbol."""
     with open(path, 'rb') as f:
-        for chunk in iter(lambda: f.read(1 << 20), b''):
-            h.update(chunk)
-    return h.hexdigest()
+        carry = b''
+        while chunk := f.read(chunk_bytes):
+            chunk = carry + chunk
+            cut = chunk.rfind(b'\n') + 1
+            carry, chunk = (chunk[cut:], chunk[:cut]) if cut else (chunk, b'')
+            if chunk:
+                yield chunk.decode('utf-8').replace(STORY_SEPARATOR + '\n', '\x00'), len(chunk)
+        if carry:
+            yield carry.decode('utf-8').replace(STORY_SEPARATOR, '\x00'), len(carry)
+
+
+def prepare_tinystories(out_dir, data_dir, source):
+    """Two streaming passes in bounded memory: count characters, then encode. The vocabulary is
+    every character seen at least TINYSTORIES_MIN_PER_MILLION times per million in the train file;
+    the rest (stray Unicode) all map to one UNKNOWN symbol. Each story ends with the separator.
+    --source: a folder holding both V2 files, one text file (split 90/10 at a story boundary), or
+    a base URL."""
+    if source and os.path.isfile(source):
+        files = {'train': source}
+    elif source and not is_url(source):
+        files = {split: os.path.join(source, name) for split, (name, _) in TINYSTORIES_FILES.items()}
+    else:
+        files = {split: download((source or TINYSTORIES_URL) + name, os.path.join(data_dir, 'downloads', name), size)
+                 for split, (name, size) in TINYSTORIES_FILES.items()}
+        for path in files.values():
+            if not os.path.isfile(path):
+                raise DataError(f"{path} not found; --source=DIR must hold {', '.join(n for n, _ in TINYSTORIES_FILES.values())}")
+    counts = np.zeros(0x110000, dtype=np.int64)
+    total = os.path.getsize(files['train'])
+    with tqdm(total=total, unit='B', unit_scale=True, desc='count characters') as bar:
+        for chunk, n_bytes in read_stories(files['train']):
+            counts += np.bincount(np.frombuffer(chunk.encode('utf-32-le'), dtype=np.uint32), minlength=0x110000)
+            bar.update(n_bytes)
+    keep = counts >= max(1, counts.sum() * TINYSTORIES_MIN_PER_MILLION // 1_000_000)
+    keep[0] = False
+    vocab = [STORY_SEPARATOR] + [chr(c) for c in np.flatnonzero(keep)] + [UNKNOWN]
+    vocab_lookup = list(vocab)
+    vocab_lookup[0] = '\x00'  # the separator arrives as \x00 from read_stories
+    tmp = out_dir + '.tmp'
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    sizes = {}
+    for split, path in files.items():
+        with open(os.path.join(tmp, f'{split}.bin'), 'wb') as out, \
+                tqdm(total=os.path.getsize(path), unit='B', unit_scale=True, desc=f'encode {split}') as bar:
+            for chunk, n_bytes in read_stories(path):
+                char_tokenize(chunk, vocab_lookup)[0].tofile(out)
+                bar.update(n_bytes)
+        sizes[split] = os.path.getsize(os.path.join(tmp, f'{split}.bin'))
+    if 'val' not in files:  # one file: the last ~10% of the stories validate
+        train_path = os.path.join(tmp, 'train.bin')
+        tokens = np.memmap(train_path, dtype=np.uint8, mode='r')
+        start = int(len(tokens) * (1 - VAL_FRACTION))
+        later = np.flatnonzero(tokens[start:] == 0)
+        if not len(later):
+            raise DataError(f"{source} has no story separator ({STORY_SEPARATOR}) in its last 10%")
+        cut = start + int(later[0]) + 1
+        tokens[cut:].tofile(os.path.join(tmp, 'val.bin'))
+        tokens[:cut].tofile(train_path + '.cut')
+        sizes = {'train': cut, 'val': len(tokens) - cut}
+        del tokens
+        os.replace(train_path + '.cut', train_path)
+        print(f"warning: {source} is one file; its last {sizes['val']:,} characters (whole stories) validate",
+              file=sys.stderr)
+    write_meta(tmp, dict(kind='char', vocab=vocab, vocab_size=len(vocab), dtype='uint8', splits=sizes,
+                         source={k: os.path.abspath(v) for k, v in files.items()}))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)
+
+
+# ----------------------------------------------------------------------------- FineWeb token shards
+
+def read_shard(path):
+    """A FineWeb shard as a read-only memmap of uint16 GPT-2 tokens, after checking its header:
+    256 int32 (magic 20240520, version 1, token count) and a size that matches the count."""
+    with open(path, 'rb') as f:
+        header = np.frombuffer(f.read(FINEWEB_HEADER_INTS * 4), dtype=np.int32)
+    if len(header) < FINEWEB_HEADER_INTS:
+        raise DataError(f"{path} is too short for a FineWeb shard header ({len(header) * 4} bytes)")
+    if header[0] != FINEWEB_MAGIC:
+        raise DataError(f"{path}: bad magic {header[0]}, expected {FINEWEB_MAGIC}; not a FineWeb token shard")
+    if header[1] != FINEWEB_VERSION:
+        raise DataError(f"{path}: version {header[1]}, expected {FINEWEB_VERSION}")
+    n_tokens, size = int(header[2]), os.path.getsize(path)
+    if size != FINEWEB_HEADER_INTS * 4 + 2 * n_tokens:
+        raise DataError(f"{path}: header promises {n_tokens:,} tokens ({FINEWEB_HEADER_INTS * 4 + 2 * n_tokens:,} "
+                        f"bytes) but the file has {size:,} bytes: truncated or corrupt, delete it and fetch it again")
+    return np.memmap(path, dtype=np.uint16, mode='r', offset=FINEWEB_HEADER_INTS * 4, shape=(n_tokens,))
+
+
+def write_shard(path, tokens):
+    """Write tokens in the FineWeb shard format (for tests and for converting other corpora)."""
+    header = np.zeros(FINEWEB_HEADER_INTS, dtype=np.int32)
+    header[:3] = FINEWEB_MAGIC, FINEWEB_VERSION, len(tokens)
+    with open(path, 'wb') as f:
+        f.write(header.tobytes())
+        f.write(np.asarray(tokens, dtype=np.uint16).tobytes())
+
+
+class Shards:
+    """Several shards read as one sequence: len() and slices that may cross a shard boundary."""
+
+    def __init__(self, arrays):
+        self.arrays = arrays
+        self.starts = np.cumsum([0] + [len(a) for a in arrays])
+
+    def __len__(self):
+        return int(self.starts[-1])
+
+    def __getitem__(self, index):
+        start, stop = index.start or 0, index.stop
+        pieces, k = [], int(np.searchsorted(self.starts, start, side='right')) - 1
+        while start < stop:
+            local = start - self.starts[k]
+            piece = self.arrays[k][local:local + stop - start]
+            pieces.append(piece)
+            start += len(piece)
+            k += 1
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+
+def fineweb_names(shards):
+    return {'val': ['fineweb_val_000000.bin'], 'train': [f'fineweb_train_{i:06d}.bin' for i in range(1, shards + 1)]}
+
+
+def prepare_fineweb(out_dir, data_dir, source, shards=FINEWEB_SHARDS):
+    """The shards stay as they are (no re-encoding): fetched or copied into out_dir, validated."""
+    os.makedirs(out_dir, exist_ok=True)
+    names = fineweb_names(shards)
+    for name in names['val'] + names['train']:
+        dest = os.path.join(out_dir, name)
+        if source and not is_url(source) and not os.path.exists(dest):
+            if not os.path.isfile(os.path.join(source, name)):
+                raise DataError(f"{os.path.join(source, name)} not found; --source=DIR must hold {name}")
+            shutil.copyfile(os.path.join(source, name), dest + '.part')
+            os.replace(dest + '.part', dest)
+        download((source if source and is_url(source) else FINEWEB_URL) + name, dest)
+        read_shard(dest)  # validate now, not in the middle of training
+    write_meta(out_dir, dict(kind='gpt2', vocab_size=FINEWEB_VOCAB_PADDED, true_vocab_size=FINEWEB_VOCAB,
+                             dtype='uint16', shards=names, source=source or FINEWEB_URL))
+
+
+# ----------------------------------------------------------------------------- loading
+
+PREPARE = {'pydoc': prepare_pydoc, 'text8': prepare_text8, 'tinystories': prepare_tinystories,
+           'fineweb': prepare_fineweb}
 
 
 def dataset_dir(name, data_dir):
     """Where NAME is prepared. A local file gets its stem and a content hash, so an edited file
     is prepared afresh instead of silently reusing stale tokens."""
-    if name == EMBEDDED:
+    if name in PREPARE:
         return os.path.join(data_dir, name)
     if os.path.isfile(name):
         stem = os.path.splitext(os.path.basename(name))[0]
         return os.path.join(data_dir, f'{stem}-{file_sha256(name)[:12]}')
-    raise DataError(f"unknown dataset {name!r}: pass --dataset={EMBEDDED} (embedded, no download) "
+    raise DataError(f"unknown dataset {name!r}: pass --dataset= one of {', '.join(PREPARE)} "
                     f"or the path of an existing text file")
 
 
-def prepare(name, data_dir='data'):
+def prepare(name, data_dir='data', source=None, shards=None):
     """Prepare dataset NAME under data_dir (if not there yet) and return its folder."""
     out_dir = dataset_dir(name, data_dir)
-    if os.path.exists(os.path.join(out_dir, 'meta.json')):
+    meta_path = os.path.join(out_dir, 'meta.json')
+    if name == 'fineweb' and os.path.exists(meta_path):
+        with open(meta_path) as f:
+            have = len(json.load(f)['shards']['train'])
+        if shards is None or shards <= have:
+            return out_dir
+    elif os.path.exists(meta_path):
         return out_dir
     os.makedirs(data_dir, exist_ok=True)
-    if name == EMBEDDED:
-        prepare_char_text(embedded_text(), out_dir, source='pydoc_data.topics')
+    t0 = time.time()
+    if name in PREPARE:
+        extra = {'shards': shards} if name == 'fineweb' and shards else {}
+        PREPARE[name](out_dir, data_dir, source, **extra)
     else:
-        try:
-            with open(name, encoding='utf-8') as f:
-                text = f.read()
-        except UnicodeDecodeError as e:
-            raise DataError(f"{name} is not UTF-8 text ({e}); char-level datasets need a UTF-8 text file")
-        prepare_char_text(text, out_dir, source=os.path.abspath(name))
+        prepare_local_file(name, out_dir)
+    print(f"prepared {name} in {out_dir} ({time.time() - t0:.1f}s)", file=sys.stderr)
     return out_dir
 
 
 class Dataset:
-    """A prepared dataset: memmapped splits, the metadata, and encode/decode for char level."""
+    """A prepared dataset: memmapped splits, the metadata, and encode/decode."""
 
     def __init__(self, path):
         with open(os.path.join(path, 'meta.json')) as f:
             self.meta = json.load(f)
+        self.vocab_size = self.meta['vocab_size']
+        self.char_level = self.meta['kind'] == 'char'
+        if self.meta['kind'] == 'gpt2':
+            self.splits = {split: Shards([read_shard(os.path.join(path, n)) for n in names])
+                           for split, names in self.meta['shards'].items()}
+            return
         dtype = np.dtype(self.meta['dtype'])
         self.splits = {split: np.memmap(os.path.join(path, f'{split}.bin'), dtype=dtype, mode='r')
                        for split in self.meta['splits']}
@@ -121,18 +410,28 @@ class Dataset:
             if len(self.splits[split]) != n:
                 raise DataError(f"{path}/{split}.bin holds {len(self.splits[split])} tokens but meta.json "
                                 f"says {n}; delete {path} and prepare it again")
-        self.vocab_size = self.meta['vocab_size']
-        self.char_level = self.meta['kind'] == 'char'
-        self.stoi = {ch: i for i, ch in enumerate(self.meta['vocab'])} if self.char_level else None
+        self.stoi = {symbol: i for i, symbol in enumerate(self.meta['vocab'])}
 
     def encode(self, text):
+        if not self.char_level:
+            return gpt2_encoding().encode(text, allowed_special={'<|endoftext|>'})
         unknown = sorted(set(text) - set(self.stoi))
         if unknown:
             raise DataError(f"characters {unknown!r} are not in this dataset's vocabulary")
         return [self.stoi[ch] for ch in text]
 
     def decode(self, tokens):
+        if not self.char_level:
+            return gpt2_encoding().decode([t for t in tokens if t < FINEWEB_VOCAB])
         return ''.join(self.meta['vocab'][t] for t in tokens)
+
+
+def gpt2_encoding():
+    try:
+        import tiktoken
+    except ImportError:
+        raise DataError("GPT-2 tokens need tiktoken to encode or decode text: pip install tiktoken")
+    return tiktoken.get_encoding('gpt2')
 
 
 def load(name, data_dir='data'):
@@ -140,23 +439,26 @@ def load(name, data_dir='data'):
 
 
 def main(argv):
-    args = dict(data_dir='data')
-    names = []
+    usage = "usage: python data.py NAME [--source=PATH_OR_URL] [--data_dir=DIR] [--shards=N]"
+    args, names = dict(data_dir='data', source=None, shards=None), []
     for arg in argv:
-        if arg.startswith('--') and '=' in arg and arg[2:].split('=')[0] in args:
-            key, value = arg[2:].split('=', 1)
+        key, eq, value = arg.removeprefix('--').partition('=')
+        if arg.startswith('--') and eq and key in args:
             args[key] = value
         elif arg.startswith('-'):
-            sys.exit(f"error: unknown option {arg!r}; usage: python data.py NAME [--data_dir=DIR]")
+            sys.exit(f"error: unknown option {arg!r}; {usage}")
         else:
             names.append(arg)
     if len(names) != 1:
-        sys.exit("usage: python data.py NAME [--data_dir=DIR]   (NAME: pydoc or a text file)")
+        sys.exit(f"{usage}\nNAME: {', '.join(PREPARE)}, or a text file")
+    if args['shards'] is not None and not args['shards'].isdigit():
+        sys.exit(f"error: --shards expects a positive integer, got {args['shards']!r}")
     try:
-        ds = load(names[0], args['data_dir'])
+        ds = Dataset(prepare(names[0], args['data_dir'], args['source'],
+                             int(args['shards']) if args['shards'] else None))
     except DataError as e:
         sys.exit(f"error: {e}")
-    print(f"{names[0]}: vocab {ds.vocab_size}, " + ', '.join(f'{k} {v:,} tokens' for k, v in ds.meta['splits'].items()))
+    print(f"{names[0]}: vocab {ds.vocab_size}, " + ', '.join(f'{k} {len(v):,} tokens' for k, v in ds.splits.items()))
 
 
 if __name__ == '__main__':

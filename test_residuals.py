@@ -290,6 +290,34 @@ def test_48_layers_give_finite_logits_and_gradients(residual):
     assert all(p.grad is not None for p in model.residual.parameters() if p.requires_grad)
 
 
+@pytest.mark.parametrize('S,C,with_bias', [(1, 7, False), (4, 13, True), (11, 16, True)])
+def test_depth_mix_hand_written_backward_matches_autograd(S, C, with_bias):
+    from residuals import DepthMix, depth_mix
+    gen = torch.Generator().manual_seed(S)
+    sources = [torch.randn(2, 3, C, dtype=torch.float64, generator=gen, requires_grad=True) for _ in range(S)]
+    query = torch.randn(C, dtype=torch.float64, generator=gen, requires_grad=True)
+    bias = torch.randn(S, dtype=torch.float64, generator=gen, requires_grad=True) if with_bias else None
+    inputs = [query] + ([bias] if with_bias else []) + sources
+    assert torch.autograd.gradcheck(lambda q, *rest: DepthMix.apply(q, rest[0] if with_bias else None,
+                                                                    *rest[1 if with_bias else 0:])[0], inputs)
+    grad_out = torch.randn(2, 3, C, dtype=torch.float64, generator=gen)
+    got_out, got_weights = DepthMix.apply(query, bias, *sources)
+    want_out, want_weights = depth_mix(torch.stack(sources), query, bias)
+    assert torch.allclose(got_out, want_out) and torch.allclose(got_weights, want_weights)
+    got = torch.autograd.grad((got_out * grad_out).sum(), inputs)
+    want = torch.autograd.grad((want_out * grad_out).sum(), inputs)
+    assert all(torch.allclose(a, b) for a, b in zip(got, want))
+
+
+def test_full_attnres_keeps_no_stacked_copies_for_backward():
+    """Saved activations grow linearly with depth, not as L^2: 16-layer Full AttnRes keeps about
+    what PreNorm keeps (each source once), not a stack of up to 33 sources per sublayer."""
+    from bench import saved_bytes
+    idx = torch.randint(27, (2, 32))
+    saved = {r: saved_bytes(tiny_model(r, n_layer=16), idx, idx) for r in ('prenorm', 'attnres', 'wav')}
+    assert saved['attnres'] < 1.5 * saved['prenorm'] and saved['wav'] < 2.0 * saved['prenorm']
+
+
 # ----------------------------------------------------------------------------- multi-stream
 
 @pytest.mark.parametrize('knobs', [{}, {'hc_dynamic': False}, {'hc_streams': 3}])
@@ -423,6 +451,154 @@ def test_fixed_validation_is_identical_across_methods_and_runs(tmp_path, data_di
     assert torch.equal(first, torch.cat(seen))
     assert first.shape == (1000 // 32, 32)
     assert first[1, 0].item() == ds.splits['val'][32]
+
+
+def need_shared(path):
+    if not path.is_file():
+        pytest.skip(f"{path} is absent: the shared data slices live beside the repository in ../shared/data")
+    return path
+
+
+def test_text8_from_a_zip_splits_90_5_5_and_reports_bpc(tmp_path, capsys):
+    import zipfile
+    head = need_shared(TEXT8)
+    archive = tmp_path / 'text8.zip'
+    with zipfile.ZipFile(archive, 'w') as z:
+        z.write(head, 'text8')
+    data.prepare('text8', str(tmp_path / 'd'), source=str(archive))
+    assert 'not the full text8' in capsys.readouterr().err
+    ds = data.load('text8', str(tmp_path / 'd'))
+    n = head.stat().st_size
+    assert {k: len(v) for k, v in ds.splits.items()} == {'train': n * 90 // 100, 'val': n * 5 // 100,
+                                                          'test': n - n * 90 // 100 - n * 5 // 100}
+    assert ds.vocab_size == 27 and ds.decode(ds.splits['train'][:26].tolist()) == head.read_text()[:26]
+    metrics = train.main(['--dataset=text8', f'--data_dir={tmp_path / "d"}', f'--out_dir={tmp_path / "o"}',
+                          '--max_iters=5', '--eval_interval=5', *TINY_TRAIN])
+    assert metrics['val_bpc'] == pytest.approx(metrics['val_loss'] / math.log(2))
+
+
+def test_tinystories_keeps_story_boundaries(tmp_path):
+    source = need_shared(SHARED_DATA / 'tinystories_train_head_2MiB.txt')
+    data.prepare('tinystories', str(tmp_path), source=str(source))
+    ds = data.load('tinystories', str(tmp_path))
+    raw = source.read_text(encoding='utf-8')
+    sep = ds.stoi[data.STORY_SEPARATOR]
+    train_tokens, val_tokens = ds.splits['train'], ds.splits['val']
+    assert train_tokens[-1] == sep  # validation starts at the beginning of a story
+    assert (train_tokens == sep).sum() + (val_tokens == sep).sum() == raw.count(data.STORY_SEPARATOR)
+    stories = ds.decode(np.concatenate([train_tokens, val_tokens]).tolist()).split(data.STORY_SEPARATOR)
+    source_stories = raw.split(data.STORY_SEPARATOR + '\n')
+    assert len(stories) == len(source_stories)
+    for got, want in zip(stories, source_stories):  # rare characters become the one UNKNOWN symbol
+        assert len(got) == len(want)
+        assert all(a == b or a == data.UNKNOWN for a, b in zip(got, want))
+    assert data.UNKNOWN in ds.stoi and 0.05 < len(val_tokens) / len(train_tokens) < 0.15
+
+
+def test_fineweb_shards_read_back_exactly_and_bad_ones_fail_clearly(tmp_path):
+    tokens = np.random.default_rng(0).integers(0, 50257, 5000).astype(np.uint16)
+    data.write_shard(tmp_path / 'good.bin', tokens)
+    assert np.array_equal(data.read_shard(tmp_path / 'good.bin'), tokens)
+    raw = (tmp_path / 'good.bin').read_bytes()
+    header = np.frombuffer(raw[:1024], dtype=np.int32).copy()
+    for name, mutate, message in [('magic', lambda h: h.__setitem__(0, 1234), 'bad magic 1234'),
+                                  ('version', lambda h: h.__setitem__(1, 7), 'version 7, expected 1')]:
+        bad = header.copy()
+        mutate(bad)
+        (tmp_path / f'{name}.bin').write_bytes(bad.tobytes() + raw[1024:])
+        with pytest.raises(data.DataError, match=message):
+            data.read_shard(tmp_path / f'{name}.bin')
+    (tmp_path / 'short.bin').write_bytes(raw[:-100])
+    with pytest.raises(data.DataError, match='truncated'):
+        data.read_shard(tmp_path / 'short.bin')
+
+
+def test_fineweb_prepared_from_local_shards_trains_on_sequences_across_shards(tmp_path):
+    rng = np.random.default_rng(1)
+    src = tmp_path / 'src'
+    src.mkdir()
+    shards = {name: rng.integers(0, 50257, 3000).astype(np.uint16)
+              for name in ['fineweb_val_000000.bin', 'fineweb_train_000001.bin', 'fineweb_train_000002.bin']}
+    for name, tokens in shards.items():
+        data.write_shard(src / name, tokens)
+    data.prepare('fineweb', str(tmp_path / 'd'), source=str(src), shards=2)
+    ds = data.load('fineweb', str(tmp_path / 'd'))
+    both = np.concatenate([shards['fineweb_train_000001.bin'], shards['fineweb_train_000002.bin']])
+    assert len(ds.splits['train']) == 6000 and ds.vocab_size == 50304 and not ds.char_level
+    assert np.array_equal(ds.splits['train'][2990:3010], both[2990:3010])  # across the boundary
+    metrics = train.main(['--dataset=fineweb', f'--data_dir={tmp_path / "d"}', f'--out_dir={tmp_path / "o"}',
+                          '--max_iters=3', '--eval_interval=3', *TINY_TRAIN])
+    assert 'val_bpc' not in metrics and math.isfinite(metrics['val_ppl'])
+
+
+class RangeHandler(__import__('http.server').server.SimpleHTTPRequestHandler):
+    """Serves one payload, honouring Range requests, and can cut the connection half-way."""
+    payload, cut_after, requests = b'', None, []
+
+    def do_GET(self):
+        start = int(self.headers['Range'].split('=')[1].rstrip('-')) if self.headers['Range'] else 0
+        RangeHandler.requests.append(start)
+        body = self.payload[start:]
+        self.send_response(206 if start else 200)
+        self.send_header('Content-Length', str(len(body)))
+        self.end_headers()
+        self.wfile.write(body[:self.cut_after] if self.cut_after else body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_download_resumes_an_interrupted_file_and_renames_when_complete(tmp_path):
+    import http.server
+    import threading
+    RangeHandler.payload = bytes(range(256)) * 4000
+    RangeHandler.cut_after, RangeHandler.requests = 300_000, []
+    server = http.server.HTTPServer(('127.0.0.1', 0), RangeHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url, dest = f'http://127.0.0.1:{server.server_port}/file.bin', str(tmp_path / 'file.bin')
+    try:
+        with pytest.raises(data.DataError, match='expected'):  # the connection died half-way
+            data.download(url, dest, size=len(RangeHandler.payload))
+        assert not os.path.exists(dest)
+        (tmp_path / 'file.bin.part').write_bytes(RangeHandler.payload[:300_000])  # as left by a killed run
+        RangeHandler.cut_after = None
+        data.download(url, dest, size=len(RangeHandler.payload))
+        assert RangeHandler.requests[-1] == 300_000  # it asked only for the rest
+        assert (tmp_path / 'file.bin').read_bytes() == RangeHandler.payload
+        assert not (tmp_path / 'file.bin.part').exists()
+    finally:
+        server.shutdown()
+
+
+def test_offline_download_names_the_url_and_where_to_put_the_file(tmp_path):
+    with pytest.raises(data.DataError) as error:
+        data.download('http://127.0.0.1:9/text8.zip', str(tmp_path / 'downloads' / 'text8.zip'))
+    assert 'http://127.0.0.1:9/text8.zip' in str(error.value) and str(tmp_path / 'downloads' / 'text8.zip') in str(error.value)
+    assert '--source' in str(error.value)
+
+
+def test_torchrun_two_cpu_processes_give_the_single_process_losses(tmp_path, data_dir):
+    """DDP with gloo: 2 processes x 1 micro-step each equal 1 process x 2 micro-steps, step for step."""
+    args = ['--dataset=pydoc', f'--data_dir={data_dir}', '--max_iters=6', '--eval_interval=6', '--log_interval=1',
+            '--gradient_accumulation_steps=2', '--device=cpu', *TINY_TRAIN]
+    single = run_cli('train.py', f'--out_dir={tmp_path / "single"}', *args)
+    assert single.returncode == 0, single.stderr
+    ddp = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+                          str(ROOT / 'train.py'), f'--out_dir={tmp_path / "ddp"}', *args],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert ddp.returncode == 0, ddp.stderr
+    expected, got = read_train_losses(tmp_path / 'single' / 'log.jsonl'), read_train_losses(tmp_path / 'ddp' / 'log.jsonl')
+    assert set(got) == set(expected) == set(range(1, 7))
+    for it in expected:
+        assert got[it] == pytest.approx(expected[it], abs=1e-5), it
+
+
+def test_ddp_ranks_draw_different_batches_that_together_make_one_process_batch():
+    gen = lambda: torch.Generator().manual_seed(0)
+    single = train.draw_offsets(gen(), 10_000, 32, 4, 3, rank=0, world=1)
+    ranks = [train.draw_offsets(gen(), 10_000, 32, 4, 3, rank=r, world=2) for r in (0, 1)]
+    assert not torch.equal(ranks[0], ranks[1])
+    assert torch.equal(ranks[0], single[0::2]) and torch.equal(ranks[1], single[1::2])
 
 
 # ----------------------------------------------------------------------------- CLI and bad input

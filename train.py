@@ -177,6 +177,14 @@ def get_batch(tokens, offsets, block_size, device):
     return x.to(device), y.to(device)
 
 
+def draw_offsets(generator, n_tokens, block_size, micro_steps, batch_size, rank, world):
+    """One step's batch start offsets (micro-steps, batch) for this rank. The generator is seeded
+    alike on every rank and draws the global batch; rank r keeps micro-steps r, r+world, ... So
+    ranks see different data, together exactly one process's, and resume restores it exactly."""
+    offsets = torch.randint(n_tokens - block_size, (micro_steps, batch_size), generator=generator)
+    return offsets[rank::world]
+
+
 @torch.no_grad()
 def evaluate(model, val_tokens, cfg, device, ctx):
     """Mean loss over the fixed validation windows: consecutive block_size windows from the start
@@ -286,8 +294,6 @@ def main(argv):
     raw_model = model
     optimizer = model.configure_optimizers(cfg['weight_decay'], cfg['learning_rate'],
                                            (cfg['beta1'], cfg['beta2']), device.type)
-    # One generator, seeded alike on every rank, draws each step's global batch; rank r takes
-    # micro-steps r, r+world, ... So the data equal one process's, and resume restores them exactly.
     data_gen = torch.Generator().manual_seed(cfg['seed'])
     iter_num, best_val_loss, resumed_from = 0, float('inf'), -1
     if ckpt is not None:
@@ -349,7 +355,7 @@ def main(argv):
         lr = get_lr(iter_num, cfg)
         for group in optimizer.param_groups:
             group['lr'] = lr
-        offsets = torch.randint(len(train_tokens) - T, (G, B), generator=data_gen)[rank::world]
+        offsets = draw_offsets(data_gen, len(train_tokens), T, G, B, rank, world)
         loss_sum = torch.zeros((), device=device)
         for micro, micro_offsets in enumerate(offsets):
             x, y = get_batch(train_tokens, micro_offsets.tolist(), T, device)
@@ -357,14 +363,15 @@ def main(argv):
                 model.require_backward_grad_sync = micro == len(offsets) - 1
             with ctx:
                 _, loss = model(x, y)
-            (loss / G).backward()
-            loss_sum += loss.detach() / G
+            (loss / len(offsets)).backward()  # DDP then averages over ranks: the mean over all G
+            loss_sum += loss.detach() / len(offsets)
         if cfg['grad_clip']:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg['grad_clip'])
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if ddp:
             torch.distributed.all_reduce(loss_sum)
+            loss_sum /= world
         lossf = loss_sum.item()
         if not math.isfinite(lossf):
             stop_nonfinite('training', lossf)
