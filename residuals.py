@@ -95,44 +95,53 @@ def depth_mix(sources, query, bias=None):
 
 
 class DepthMix(torch.autograd.Function):
-    """depth_mix over a list of sources with a hand-written backward. It saves only per-token
-    statistics (S, B, T) and references to the sources, never a stacked copy: with plain autograd
-    every sublayer would keep its own (S, B, T, C) stack, L^2 memory for Full AttnRes.
-    With r_s = 1/RMS(v_s), l_s = r_s v_s.q + b_s, w = softmax(l), out = sum_s w_s v_s, and g the
-    output's gradient: dl_s = w_s (g.v_s - sum_s' w_s' g.v_s'), and
-    dv_s = w_s g + dl_s r_s q - dl_s r_s^2 (v_s.q r_s) v_s / C."""
+    """depth_mix for m queries at once over a list of S sources, with a hand-written backward.
+
+    queries (m, C), bias (m, S) or None -> mixed (m, B, T, C), lse (m, B, T), weights (m, S, B, T).
+    lse_j = logsumexp_s l_js lets a caller merge more sources later with an online softmax (the
+    AttnRes paper's two-phase computation: all queries of a block read the finished blocks in one
+    pass). It saves per-token statistics and references to the sources, never a stacked copy
+    (with plain autograd, Full AttnRes would keep an (S, B, T, C) stack per sublayer: L^2 memory).
+    With r_s = 1/RMS(v_s), l_js = r_s v_s.q_j + b_js, w = softmax_s(l), out_j = sum_s w_js v_s and
+    g_j, h_j the gradients of out_j and lse_j: dl_js = w_js (g_j.v_s - g_j.out_j + h_j), and
+    dv_s = sum_j [w_js g_j + dl_js r_s q_j - dl_js r_s^2 (r_s v_s.q_j) v_s / C]."""
 
     @staticmethod
-    def forward(ctx, query, bias, *sources):
+    def forward(ctx, queries, bias, *sources):
         values = upcast(torch.stack(sources))
         rinv = torch.rsqrt(values.pow(2).mean(-1) + RMS_EPS)  # r_s (S, B, T)
-        scores = rinv * (values @ upcast(query))  # q . RMSNorm(v_s)
-        weights = (scores if bias is None else scores + upcast(bias)[:, None, None]).softmax(dim=0)
-        mixed = torch.einsum('sbt,sbtc->btc', weights, values).to(sources[0].dtype)
-        ctx.save_for_backward(query, weights, rinv, scores, *sources)
+        scores = rinv * torch.einsum('sbtc,mc->msbt', values, upcast(queries))  # q_j . RMSNorm(v_s)
+        logits = scores if bias is None else scores + upcast(bias)[:, :, None, None]
+        lse = torch.logsumexp(logits, dim=1)
+        weights = torch.exp(logits - lse.unsqueeze(1))
+        mixed = torch.einsum('msbt,sbtc->mbtc', weights, values).to(sources[0].dtype)
+        ctx.save_for_backward(queries, weights, rinv, scores, *sources)
         ctx.has_bias = bias is not None
         ctx.mark_non_differentiable(weights)
-        return mixed, weights
+        return mixed, lse, weights
 
     @staticmethod
-    def backward(ctx, grad_mixed, _):
-        query, weights, rinv, scores, *sources = ctx.saved_tensors
-        values, g = upcast(torch.stack(sources)), upcast(grad_mixed)
-        grad_weights = torch.einsum('sbtc,btc->sbt', values, g)  # g . v_s
-        grad_logits = weights * (grad_weights - (weights * grad_weights).sum(0))
-        grad_query = torch.einsum('sbt,sbtc->c', grad_logits * rinv, values)
-        grad_bias = grad_logits.sum(dim=(1, 2)) if ctx.has_bias else None
-        along_value = (grad_logits * rinv.square() * scores / values.shape[-1]).unsqueeze(-1)
-        grad_values = (weights.unsqueeze(-1) * g + (grad_logits * rinv).unsqueeze(-1) * upcast(query)
-                       - along_value * values)
-        return (grad_query.to(query.dtype), grad_bias,
+    def backward(ctx, grad_mixed, grad_lse, _):
+        queries, weights, rinv, scores, *sources = ctx.saved_tensors
+        values, g, q = upcast(torch.stack(sources)), upcast(grad_mixed), upcast(queries)
+        grad_weights = torch.einsum('sbtc,mbtc->msbt', values, g)  # g_j . v_s
+        grad_logits = weights * (grad_weights - (weights * grad_weights).sum(1, keepdim=True)
+                                 + grad_lse.unsqueeze(1))
+        scaled = grad_logits * rinv  # dl_js r_s
+        grad_queries = torch.einsum('msbt,sbtc->mc', scaled, values)
+        grad_bias = grad_logits.sum(dim=(2, 3)) if ctx.has_bias else None
+        along_value = (scaled * rinv * scores).sum(0) / values.shape[-1]
+        grad_values = (torch.einsum('msbt,mbtc->sbtc', weights, g) + torch.einsum('msbt,mc->sbtc', scaled, q)
+                       - along_value.unsqueeze(-1) * values)
+        return (grad_queries.to(queries.dtype), grad_bias,
                 *(grad_values[s].to(v.dtype) for s, v in enumerate(sources)))
 
 
 class DepthRouter(nn.Module):
     """What the AttnRes family shares: one zero-init pseudo-query per sublayer (index i) and one
     for the output mixer (index L), so that at init every read is the plain average of its
-    sources. Set `self.recorded = []` to collect every softmax's weights (S, B, T), in order."""
+    sources. Set `self.recorded = []` to collect, for every read in order, a dict with the
+    query index, its weights (S, B, T) and which sources are WAV details (for analyze.py)."""
     sublayer_norm = True
 
     def __init__(self, config):
@@ -140,10 +149,29 @@ class DepthRouter(nn.Module):
         self.queries = nn.Parameter(torch.zeros(2 * config.n_layer + 1, config.n_embd))
         self.recorded = None
 
-    def mix(self, i, sources, bias=None):
-        mixed, weights = DepthMix.apply(self.queries[i], bias, *sources)
+    def mix(self, i, sources, bias=None, is_detail=None):
+        """Query i reads the sources: sum_s softmax_s(q_i . RMSNorm(v_s) + bias_s) v_s."""
+        return self.read(i, self.mix_many(i, 1, sources, None if bias is None else bias[None]), 0,
+                         is_detail=is_detail or [False] * len(sources))
+
+    def mix_many(self, first, n, sources, bias=None):
+        """Phase 1: queries first..first+n-1 against the same sources, in one pass over them."""
+        return DepthMix.apply(self.queries[first:first + n], bias, *sources)
+
+    def read(self, i, done, k, more=(), more_bias=None, is_detail=()):
+        """Phase 2: row k of a mix_many result for query i, merged by an online softmax with
+        further sources (the current block's) that query i alone reads."""
+        mixed, lse, weights = (t[k] for t in done)
+        if more:
+            more_mixed, more_lse, more_weights = (t[0] for t in DepthMix.apply(
+                self.queries[i:i + 1], None if more_bias is None else more_bias[None], *more))
+            total = torch.logaddexp(lse, more_lse)
+            old, new = torch.exp(lse - total), torch.exp(more_lse - total)
+            mixed = old.unsqueeze(-1).to(mixed.dtype) * mixed + new.unsqueeze(-1).to(mixed.dtype) * more_mixed
+            if self.recorded is not None:
+                weights = torch.cat([weights * old, more_weights * new])
         if self.recorded is not None:
-            self.recorded.append(weights.detach())
+            self.recorded.append({'query': i, 'weights': weights.detach(), 'is_detail': list(is_detail)})
         return mixed
 
 
@@ -166,19 +194,18 @@ class BlockAttnRes(DepthRouter):
         # sublayers per block; auto gives about 8 blocks, as the paper recommends
         self.block_len = 2 * (config.res_block_size or max(1, config.n_layer // 8))
 
-    def ends_block(self, i, n_sublayers):
-        return (i + 1) % self.block_len == 0 or i == n_sublayers - 1  # the last block may be shorter
-
     def forward(self, x, sublayers):
-        sources = [x]  # e, C_0, C_1, ...: e is never summed into a block
-        partial = None  # PC: the sum of the current block's updates so far (excludes u_i itself)
-        for i, f in enumerate(sublayers):
-            u = f(self.mix(i, sources if partial is None else sources + [partial]))
-            partial = u if partial is None else partial + u
-            if self.ends_block(i, len(sublayers)):
-                sources.append(partial)
-                partial = None
-        return self.mix(len(sublayers), sources)
+        L, sources = len(sublayers), [x]  # e, C_0, C_1, ...: e is never summed into a block
+        for start in range(0, L, self.block_len):
+            m = min(self.block_len, L - start)  # the last block may be shorter
+            finished = self.mix_many(start, m, sources)  # every query of the block reads e, C_0..C_{n-1}
+            partial = None  # PC: the sum of the block's updates so far (excludes u_i itself)
+            for k in range(m):
+                more = [] if partial is None else [partial]
+                u = sublayers[start + k](self.read(start + k, finished, k, more, is_detail=[False] * (len(sources) + len(more))))
+                partial = u if partial is None else partial + u
+            sources.append(partial)
+        return self.mix(L, sources)
 
 
 class DeltaAttnRes(DepthRouter):
@@ -252,15 +279,19 @@ class WAV(BlockAttnRes):
             m = min(self.block_len, L - start)
             signs = detail_signs(m, self.levels)
             coeffs = self.basis(m)
+            # phase 1: every query of the block reads the finished pool in one pass
+            finished = self.mix_many(start, m, sources, self.pool_bias(slice(start, start + m), kinds))
             partial = details = None  # PC and the raw partial details P (n_details, B, T, C)
             for k in range(m):
                 i = start + k
-                pool, pool_kinds = sources, kinds
+                more, more_kinds = [], []
                 if k > 0:  # the P terms only once the block has begun; rows whose support has begun
                     rows = [d for d in range(len(signs)) if signs[d, :k].any()]
-                    pool = pool + [partial] + [rms_match(details[d], partial, self.rho) for d in rows]
-                    pool_kinds = pool_kinds + [-1] + rows
-                u = sublayers[i](self.mix(i, pool, self.pool_bias(i, pool_kinds)))
+                    more = [partial] + [rms_match(details[d], partial, self.rho) for d in rows]
+                    more_kinds = [-1] + rows
+                h = self.read(i, finished, k, more, self.pool_bias(i, more_kinds) if more else None,
+                              is_detail=[kind >= 0 for kind in kinds + more_kinds])
+                u = sublayers[i](h)
                 partial = u if partial is None else partial + u
                 contribution = coeffs[:, k, None, None, None].to(u.dtype) * u
                 details = contribution if details is None else details + contribution
@@ -270,12 +301,13 @@ class WAV(BlockAttnRes):
         if not self.detail_readout:  # conservative readout: e and the block sums only
             sources = [s for s, kind in zip(sources, kinds) if kind < 0]
             kinds = [-1] * len(sources)
-        return self.mix(L, sources, self.pool_bias(L, kinds))
+        return self.mix(L, sources, self.pool_bias(L, kinds), [k >= 0 for k in kinds])
 
     def pool_bias(self, i, kinds):
-        """Per-source bias for query i: 0 for e, C and PC; detail_bias[i, d] for detail row d."""
+        """Per-source bias for query i (an index or a slice of queries): 0 for e, C and PC, and
+        detail_bias[i, d] for detail row d."""
         padded = F.pad(self.detail_bias[i], (1, 0))
-        return padded[torch.tensor(kinds, device=padded.device) + 1]
+        return padded[..., torch.tensor(kinds, device=padded.device) + 1]
 
 
 # ----------------------------------------------------------------------------- multi-stream
@@ -302,7 +334,7 @@ class HyperConnections(nn.Module):
             self.depth_proj = nn.Parameter(torch.zeros(L, C))  # W_b
             self.width_scale = nn.Parameter(torch.full((L,), 0.01))  # s_a
             self.depth_scale = nn.Parameter(torch.full((L,), 0.01))  # s_b
-        self.recorded = None  # set to [] to collect the streams after every sublayer
+        self.recorded = None  # set to [] to collect the streams (n, B, T, C) after every sublayer
 
     def forward(self, x, sublayers):
         H = x.unsqueeze(-2).expand(*x.shape[:-1], self.n, x.shape[-1])  # e copied into n streams
@@ -316,7 +348,7 @@ class HyperConnections(nn.Module):
             h, H = mixed[..., 0, :], mixed[..., 1:, :]
             H = H + depth.unsqueeze(-1) * f(h).unsqueeze(-2)
             if self.recorded is not None:
-                self.recorded.append(H.detach())
+                self.recorded.append(H.detach().movedim(-2, 0))
         return H.mean(dim=-2)
 
 
@@ -343,7 +375,7 @@ class MHCLite(nn.Module):
         bias[:, 2 * n] = 0.0  # b_res: 0 for the identity permutation ...
         bias[:, 2 * n + 1:] = -8.0  # ... -8 for the others
         self.bias = nn.Parameter(bias)
-        self.recorded = None  # set to [] to collect the streams after every sublayer
+        self.recorded = None  # set to [] to collect the streams (n, B, T, C) after every sublayer
 
     def coefficients(self, i, x):
         """H_pre (B, T, n), H_post (B, T, n), H_res (B, T, n, n) of sublayer i for streams x (B, T, n, C)."""
@@ -364,7 +396,7 @@ class MHCLite(nn.Module):
             update = f((h_pre.unsqueeze(-2) @ x).squeeze(-2))
             x = h_res @ x + h_post.unsqueeze(-1) * update.unsqueeze(-2)
             if self.recorded is not None:
-                self.recorded.append(x.detach())
+                self.recorded.append(x.detach().movedim(-2, 0))
         return x.sum(dim=-2)
 
 
@@ -393,7 +425,7 @@ class MultiGateResiduals(nn.Module):
                              f"use more layers, fewer streams or a lower mgr_b_base")
         bias = math.log(1 / g - n) if self.competitive else math.log(g / (1 - g))
         self.gate_bias = nn.Parameter(torch.full((L,), bias))
-        self.recorded = None  # set to [] to collect the streams after every sublayer
+        self.recorded = None  # set to [] to collect the streams (n, B, T, C) after every sublayer
 
     def pool(self, i, streams):
         return depth_mix(streams, self.pool_queries[i] * self.scale)[0]

@@ -163,8 +163,9 @@ def test_block_attnres_reads_the_sources_of_spec_at_init():
     for got, want in zip(inputs, expected):
         assert torch.allclose(got, want, atol=1e-6)
     assert torch.allclose(out, (e + (u[0] + u[1]) + (u[2] + u[3])) / 3, atol=1e-6)
-    assert [w.shape[0] for w in router.recorded] == [1, 2, 2, 3, 3]
-    assert all(torch.allclose(w.sum(0), torch.ones(2, 3)) for w in router.recorded)
+    assert [r['weights'].shape[0] for r in router.recorded] == [1, 2, 2, 3, 3]
+    assert [r['query'] for r in router.recorded] == [0, 1, 2, 3, 4]
+    assert all(torch.allclose(r['weights'].sum(0), torch.ones(2, 3)) for r in router.recorded)
 
 
 def test_block_attnres_auto_block_size_and_short_last_block():
@@ -247,7 +248,8 @@ def test_wav_detail_readout_knob_adds_the_details_to_the_output_mixer():
     router = routing('wav', 2, res_block_size=1, wav_detail_readout=True)
     router.recorded = []
     router(torch.randn(1, 2, 16), [lambda h: torch.randn(1, 2, 16)] * 4)
-    assert router.recorded[-1].shape[0] == 1 + 2 * 3  # e, and C, phase, split of each block
+    assert router.recorded[-1]['weights'].shape[0] == 1 + 2 * 3  # e, and C, phase, split of each block
+    assert router.recorded[-1]['is_detail'] == [False] + [False, True, True] * 2
 
 
 def test_rms_match_scale_is_detached_and_capped():
@@ -290,22 +292,37 @@ def test_48_layers_give_finite_logits_and_gradients(residual):
     assert all(p.grad is not None for p in model.residual.parameters() if p.requires_grad)
 
 
-@pytest.mark.parametrize('S,C,with_bias', [(1, 7, False), (4, 13, True), (11, 16, True)])
-def test_depth_mix_hand_written_backward_matches_autograd(S, C, with_bias):
+@pytest.mark.parametrize('S,C,m,with_bias', [(1, 7, 1, False), (4, 13, 3, True), (11, 16, 2, True)])
+def test_depth_mix_hand_written_backward_matches_autograd(S, C, m, with_bias):
+    """DepthMix (m queries, with the log-sum-exp for online merging) against the plain reference,
+    in value and in every gradient, and by finite differences (gradcheck) in float64."""
     from residuals import DepthMix, depth_mix
     gen = torch.Generator().manual_seed(S)
     sources = [torch.randn(2, 3, C, dtype=torch.float64, generator=gen, requires_grad=True) for _ in range(S)]
-    query = torch.randn(C, dtype=torch.float64, generator=gen, requires_grad=True)
-    bias = torch.randn(S, dtype=torch.float64, generator=gen, requires_grad=True) if with_bias else None
-    inputs = [query] + ([bias] if with_bias else []) + sources
-    assert torch.autograd.gradcheck(lambda q, *rest: DepthMix.apply(q, rest[0] if with_bias else None,
-                                                                    *rest[1 if with_bias else 0:])[0], inputs)
-    grad_out = torch.randn(2, 3, C, dtype=torch.float64, generator=gen)
-    got_out, got_weights = DepthMix.apply(query, bias, *sources)
-    want_out, want_weights = depth_mix(torch.stack(sources), query, bias)
-    assert torch.allclose(got_out, want_out) and torch.allclose(got_weights, want_weights)
-    got = torch.autograd.grad((got_out * grad_out).sum(), inputs)
-    want = torch.autograd.grad((want_out * grad_out).sum(), inputs)
+    queries = torch.randn(m, C, dtype=torch.float64, generator=gen, requires_grad=True)
+    bias = torch.randn(m, S, dtype=torch.float64, generator=gen, requires_grad=True) if with_bias else None
+    inputs = [queries] + ([bias] if with_bias else []) + sources
+
+    def mix(q, *rest):
+        b, srcs = (rest[0], rest[1:]) if with_bias else (None, rest)
+        mixed, lse, _ = DepthMix.apply(q, b, *srcs)
+        return mixed, lse
+    assert torch.autograd.gradcheck(mix, inputs)
+    got_mixed, got_lse, got_weights = DepthMix.apply(queries, bias, *sources)
+    grad_mixed = torch.randn(m, 2, 3, C, dtype=torch.float64, generator=gen)
+    grad_lse = torch.randn(m, 2, 3, dtype=torch.float64, generator=gen)
+    got = torch.autograd.grad((got_mixed * grad_mixed).sum() + (got_lse * grad_lse).sum(), inputs)
+    want_total = 0
+    for j in range(m):
+        want_mixed, want_weights = depth_mix(torch.stack(sources), queries[j], None if bias is None else bias[j])
+        assert torch.allclose(got_mixed[j], want_mixed) and torch.allclose(got_weights[j], want_weights)
+        want_total = want_total + (want_mixed * grad_mixed[j]).sum()
+    from residuals import rms_norm
+    ref_logits = torch.einsum('sbtc,mc->msbt', rms_norm(torch.stack(sources)), queries)
+    ref_logits = ref_logits + (0 if bias is None else bias[:, :, None, None])
+    ref_lse = torch.logsumexp(ref_logits, dim=1)
+    assert torch.allclose(got_lse, ref_lse)
+    want = torch.autograd.grad(want_total + (ref_lse * grad_lse).sum(), inputs)
     assert all(torch.allclose(a, b) for a, b in zip(got, want))
 
 
@@ -664,6 +681,66 @@ def test_config_file_and_overrides_are_type_checked(tmp_path):
     assert cfg['n_layer'] == 5 and cfg['learning_rate'] == 1.0 and isinstance(cfg['learning_rate'], float)
     assert cfg['dataset'] == 'text8' and cfg['out_dir'] == '123'
     assert given == {'n_layer', 'learning_rate', 'dataset', 'out_dir'}
+
+
+# ----------------------------------------------------------------------------- analysis
+
+def test_analyze_reports_the_diagnostics_and_pruning_a_silent_layer_changes_nothing(tmp_path, data_dir):
+    import analyze
+    folders = []
+    for residual in ('prenorm', 'wav', 'mgr'):
+        folder = tmp_path / residual
+        train.main([f'--residual={residual}', f'--out_dir={folder}', f'--data_dir={data_dir}', '--max_iters=10',
+                    '--eval_interval=10', *TINY_TRAIN])
+        folders.append(str(folder))
+    ckpt = train.load_checkpoint(str(tmp_path / 'prenorm' / 'ckpt.pt'))
+    for name in ('transformer.h.1.attn.c_proj.weight', 'transformer.h.1.mlp.c_proj.weight'):
+        ckpt['model'][name].zero_()  # layer 1's updates are now exactly zero
+    train.save_checkpoint(ckpt, str(tmp_path / 'prenorm' / 'ckpt.pt'))
+    analyze.main([f'--out_dir={",".join(folders)}', f'--report_dir={tmp_path / "report"}', '--eval_tokens=2048'])
+    prenorm, wav, mgr = json.load(open(tmp_path / 'report' / 'analysis.json'))
+    assert prenorm['pruning']['increase'][1] == 0.0 and prenorm['pruning']['increase'][0] != 0.0
+    assert len(prenorm['activations']['rms']) == 4 and 'routing' not in prenorm and 'streams' not in prenorm
+    assert prenorm['activations']['rms'][2] > 0 and all(m >= r for m, r in zip(prenorm['activations']['max_abs'],
+                                                                                 prenorm['activations']['rms']))
+    assert len(wav['routing']['mean_weights']) == 5  # 4 sublayers and the output mixer
+    assert all(sum(w) == pytest.approx(1.0, abs=1e-5) for w in wav['routing']['mean_weights'])
+    assert wav['routing']['detail_weight'][0] == 0.0 and 0 < wav['routing']['detail_weight'][1] < 1
+    assert len(mgr['streams']['angular_distance']) == 4 and all(0 <= a <= 1 for a in mgr['streams']['angular_distance'])
+    plots = {p.name for p in (tmp_path / 'report').glob('*.png')}
+    try:
+        import matplotlib  # noqa: F401  (optional: without it only the JSON is written)
+        assert plots == {'activations.png', 'routing.png', 'streams.png', 'pruning.png'}
+    except ImportError:
+        assert not plots
+
+
+def test_sweep_runs_a_grid_skips_finished_runs_resumes_interrupted_ones_and_reports(tmp_path, data_dir, monkeypatch):
+    import sweep
+    tiny = ['--dataset=pydoc', f'--data_dir={data_dir}', '--max_iters=4', '--eval_interval=2', '--n_layer=1',
+            *TINY_TRAIN]
+    monkeypatch.setitem(sweep.GRIDS, 'tiny', dict(configs=[tiny], variants=[['--residual=prenorm'],
+                                                                            ['--residual=block_attnres']],
+                                                  seeds=[0, 1]))
+    runs = list(sweep.runs_of('tiny', str(tmp_path)))
+    assert len(runs) == 4 and len({r['out_dir'] for r in runs}) == 4
+    sweep.execute(runs[:3], jobs=2)
+    assert [sweep.state(r) for r in runs] == ['done', 'done', 'done', 'new']
+    # an interrupted run: a checkpoint at iter 2 and no 'done' event
+    result = run_cli('train.py', *runs[3]['args'], '--max_iters=2')
+    assert result.returncode == 0, result.stderr
+    log = (Path(runs[3]['out_dir']) / 'log.jsonl')
+    log.write_text(''.join(line for line in log.read_text().splitlines(True) if '"done"' not in line))
+    assert sweep.state(runs[3]) == 'interrupted' and '--init_from=resume' in sweep.command(runs[3])
+    sweep.execute(runs, jobs=1)  # runs only the interrupted one
+    assert all(sweep.state(r) == 'done' for r in runs)
+    finals = {(r['method'], r['seed']): sweep.read_log(r['out_dir'])[-1]['val_loss'] for r in runs}
+    markdown = sweep.report('tiny', str(tmp_path))
+    prenorm = [finals[('prenorm', s)] for s in (0, 1)]
+    assert f"{np.mean(prenorm):.4f} +- {np.std(prenorm, ddof=1):.4f}" in markdown
+    ppl_change = 100 * (math.exp(np.mean(prenorm) - np.mean([finals[('block_attnres', s)] for s in (0, 1)])) - 1)
+    assert f"{ppl_change:+.2f}%" in markdown and 'the spread' in markdown
+    assert (tmp_path / 'tiny' / 'results.md').read_text() == markdown
 
 
 # ----------------------------------------------------------------------------- checkpoints
