@@ -319,6 +319,10 @@ def main(argv):
     G, B, T = cfg['gradient_accumulation_steps'], cfg['batch_size'], cfg['block_size']
     tokens_per_iter = G * B * T
     train_tokens, val_tokens = ds.splits['train'], ds.splits['val']
+    passes = cfg['max_iters'] * tokens_per_iter / len(train_tokens)
+    if master and passes > 1:
+        print(f"note: {cfg['max_iters']} steps read {cfg['max_iters'] * tokens_per_iter:,} tokens, {passes:.1f} passes "
+              f"over the {len(train_tokens):,}-token train split", file=sys.stderr)
     if master:
         print(f"{cfg['residual']}: {raw_model.get_num_params() / 1e6:.3f}M parameters, {cfg['dataset']} "
               f"(vocab {ds.vocab_size}), {tokens_per_iter:,} tokens/step, {world} process(es) on {device} {dtype}")
@@ -385,6 +389,8 @@ def main(argv):
             bar.set_postfix(loss=f'{lossf:.4f}', tok_s=f'{tok_s:,.0f}')
             log({'iter': iter_num, 'loss': lossf, 'lr': lr, 'tokens_per_s': tok_s})
     bar.close()
+    if metrics:
+        log({'event': 'done', 'iter': iter_num, **metrics})
     if master:
         wall = time.time() - t_start
         if metrics:
