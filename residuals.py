@@ -152,15 +152,16 @@ class DepthRouter(nn.Module):
     def mix(self, i, sources, bias=None, is_detail=None):
         """Query i reads the sources: sum_s softmax_s(q_i . RMSNorm(v_s) + bias_s) v_s."""
         return self.read(i, self.mix_many(i, 1, sources, None if bias is None else bias[None]), 0,
-                         is_detail=is_detail or [False] * len(sources))
+                         is_detail=is_detail)
 
     def mix_many(self, first, n, sources, bias=None):
         """Phase 1: queries first..first+n-1 against the same sources, in one pass over them."""
         return DepthMix.apply(self.queries[first:first + n], bias, *sources)
 
-    def read(self, i, done, k, more=(), more_bias=None, is_detail=()):
+    def read(self, i, done, k, more=(), more_bias=None, is_detail=None):
         """Phase 2: row k of a mix_many result for query i, merged by an online softmax with
-        further sources (the current block's) that query i alone reads."""
+        further sources (the current block's) that query i alone reads. is_detail flags the
+        sources that are WAV details, for the recording only."""
         mixed, lse, weights = (t[k] for t in done)
         if more:
             more_mixed, more_lse, more_weights = (t[0] for t in DepthMix.apply(
@@ -171,7 +172,8 @@ class DepthRouter(nn.Module):
             if self.recorded is not None:
                 weights = torch.cat([weights * old, more_weights * new])
         if self.recorded is not None:
-            self.recorded.append({'query': i, 'weights': weights.detach(), 'is_detail': list(is_detail)})
+            flags = list(is_detail) if is_detail is not None else [False] * len(weights)
+            self.recorded.append({'query': i, 'weights': weights.detach(), 'is_detail': flags})
         return mixed
 
 
@@ -200,9 +202,8 @@ class BlockAttnRes(DepthRouter):
             m = min(self.block_len, L - start)  # the last block may be shorter
             finished = self.mix_many(start, m, sources)  # every query of the block reads e, C_0..C_{n-1}
             partial = None  # PC: the sum of the block's updates so far (excludes u_i itself)
-            for k in range(m):
-                more = [] if partial is None else [partial]
-                u = sublayers[start + k](self.read(start + k, finished, k, more, is_detail=[False] * (len(sources) + len(more))))
+            for k in range(m):  # ... and merges the block's partial sum PC, once it has begun
+                u = sublayers[start + k](self.read(start + k, finished, k, [] if partial is None else [partial]))
                 partial = u if partial is None else partial + u
             sources.append(partial)
         return self.mix(L, sources)
