@@ -63,7 +63,7 @@ def is_url(source):
     return '://' in source
 
 
-def download(url, dest, size=None):
+def download(url, dest, size=None, dataset='NAME'):
     """Fetch url into dest with a progress bar. Bytes go to dest.part, which a later call resumes
     with an HTTP Range request; the file is renamed to dest only once complete (and size-checked)."""
     if os.path.exists(dest):
@@ -77,12 +77,12 @@ def download(url, dest, size=None):
     except urllib.error.HTTPError as e:
         if e.code == 416 and have:  # the range is past the end: the .part is bad, start over
             os.remove(part)
-            return download(url, dest, size)
+            return download(url, dest, size, dataset)
         raise DataError(f"downloading {url} failed: HTTP {e.code} {e.reason}")
     except (urllib.error.URLError, OSError) as e:
         raise DataError(f"cannot download {url} ({getattr(e, 'reason', e)}). On a machine without internet, "
                         f"fetch that file elsewhere and put it at {dest}, or prepare from a local copy with "
-                        f"python data.py NAME --source=PATH")
+                        f"python data.py {dataset} --source=PATH")
     with response:
         if have and response.status != 206:  # the server ignored the range: start over
             have = 0
@@ -184,7 +184,7 @@ def prepare_text8(out_dir, data_dir, source):
     """The standard split: first 90M characters train, next 5M val, last 5M test. Another size
     (e.g. a slice) is split in the same proportions, with a warning."""
     path = source if source and not is_url(source) else download(
-        source or TEXT8_URL, os.path.join(data_dir, 'downloads', 'text8.zip'), TEXT8_ZIP_BYTES)
+        source or TEXT8_URL, os.path.join(data_dir, 'downloads', 'text8.zip'), TEXT8_ZIP_BYTES, 'text8')
     if zipfile.is_zipfile(path):
         with zipfile.ZipFile(path) as z:
             if 'text8' not in z.namelist():
@@ -231,8 +231,8 @@ def prepare_tinystories(out_dir, data_dir, source):
     elif source and not is_url(source):
         files = {split: os.path.join(source, name) for split, (name, _) in TINYSTORIES_FILES.items()}
     else:
-        files = {split: download((source or TINYSTORIES_URL) + name, os.path.join(data_dir, 'downloads', name), size)
-                 for split, (name, size) in TINYSTORIES_FILES.items()}
+        files = {split: download((source or TINYSTORIES_URL) + name, os.path.join(data_dir, 'downloads', name), size,
+                                 'tinystories') for split, (name, size) in TINYSTORIES_FILES.items()}
         for path in files.values():
             if not os.path.isfile(path):
                 raise DataError(f"{path} not found; --source=DIR must hold {', '.join(n for n, _ in TINYSTORIES_FILES.values())}")
@@ -345,7 +345,7 @@ def prepare_fineweb(out_dir, data_dir, source, shards=FINEWEB_SHARDS):
                 raise DataError(f"{os.path.join(source, name)} not found; --source=DIR must hold {name}")
             shutil.copyfile(os.path.join(source, name), dest + '.part')
             os.replace(dest + '.part', dest)
-        download((source if source and is_url(source) else FINEWEB_URL) + name, dest)
+        download((source if source and is_url(source) else FINEWEB_URL) + name, dest, dataset='fineweb')
         read_shard(dest)  # validate now, not in the middle of training
     write_meta(out_dir, dict(kind='gpt2', vocab_size=FINEWEB_VOCAB_PADDED, true_vocab_size=FINEWEB_VOCAB,
                              dtype='uint16', shards=names, source=source or FINEWEB_URL))
