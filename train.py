@@ -284,7 +284,11 @@ def main(argv):
     ctx = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device.type, dtype=getattr(torch, dtype))
     torch.manual_seed(cfg['seed'] + rank)
     try:
+        if ddp and not master:
+            torch.distributed.barrier()  # rank 0 prepares (downloads) the dataset first, alone
         ds, model = build(cfg, device)
+        if ddp and master:
+            torch.distributed.barrier()
         if ckpt is not None:
             model.load_state_dict(ckpt['model'])
     except (data.DataError, ValueError, RuntimeError) as e:
