@@ -52,7 +52,7 @@ n_embd = 128
 dropout = 0.0
 # AdamW with warmup and cosine decay
 learning_rate = 2e-3
-max_iters = 1500
+max_iters = 1200
 weight_decay = 0.1
 beta1 = 0.9
 beta2 = 0.99
