@@ -23,7 +23,7 @@ import torch
 
 import data
 from model import GPT, GPTConfig
-from train import CheckpointError, apply_override, evaluate, get_batch, load_checkpoint
+from train import CheckpointError, apply_override, evaluate, get_batch, load_checkpoint, module_config
 
 out_dir = 'out'  # one run folder, or several separated by commas
 ckpt_name = 'ckpt.pt'
@@ -182,7 +182,7 @@ def plot(results, folder):
 
 
 def main(argv):
-    cfg = {k: v for k, v in globals().items() if not k.startswith('_') and type(v) in (int, float, bool, str)}
+    cfg = module_config(globals())
     for arg in argv:
         apply_override(cfg, arg)
     try:

@@ -14,13 +14,12 @@ import json
 import statistics
 import sys
 import time
-from contextlib import nullcontext
 
 import torch
 
 from model import GPT, GPTConfig
 from residuals import RESIDUALS
-from train import apply_override
+from train import apply_override, module_config, precision, resolve_device
 
 CONFIGS = {
     'default': dict(n_layer=12, n_embd=384, n_head=6, block_size=256, batch_size=4),
@@ -56,7 +55,7 @@ def saved_bytes(model, x, y):
 
 
 def main(argv):
-    cfg = {k: v for k, v in globals().items() if not k.startswith('_') and type(v) in (int, float, bool, str)}
+    cfg = module_config(globals())
     for arg in argv:
         apply_override(cfg, arg)
     if cfg['config'] not in CONFIGS:
@@ -65,10 +64,8 @@ def main(argv):
     unknown = [m for m in names if m not in RESIDUALS]
     if unknown:
         sys.exit(f"error: unknown methods {unknown}; choose from: {', '.join(RESIDUALS)}")
-    dev = torch.device(cfg['device'] if cfg['device'] != 'auto' else 'cuda' if torch.cuda.is_available() else 'cpu')
-    dtype_name = cfg['dtype'] if cfg['dtype'] != 'auto' else (
-        'bfloat16' if dev.type == 'cuda' and torch.cuda.is_bf16_supported() else 'float32')
-    ctx = nullcontext() if dtype_name == 'float32' else torch.autocast(dev.type, dtype=getattr(torch, dtype_name))
+    dev = resolve_device(cfg['device'])
+    dtype_name, ctx = precision(dev, cfg['dtype'])
     shape = dict(CONFIGS[cfg['config']])
     B, T = shape.pop('batch_size'), shape['block_size']
     gen = torch.Generator().manual_seed(cfg['seed'])

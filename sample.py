@@ -6,13 +6,11 @@ Sample from a trained model.
     python sample.py --start=FILE:prompt.txt           # the prompt read from a file
 """
 import sys
-from contextlib import nullcontext
-
 import torch
 
 import data
 from model import GPT, GPTConfig
-from train import CheckpointError, apply_override, load_checkpoint
+from train import CheckpointError, apply_override, load_checkpoint, module_config, precision, resolve_device
 
 out_dir = 'out'
 ckpt_name = 'ckpt.pt'  # or best.pt, the lowest val loss
@@ -27,16 +25,11 @@ dtype = 'auto'
 
 
 def main(argv):
-    cfg = {k: v for k, v in globals().items() if not k.startswith('_') and type(v) in (int, float, bool, str)}
+    cfg = module_config(globals())
     for arg in argv:
         apply_override(cfg, arg)
-    if cfg['device'] == 'auto':
-        cfg['device'] = 'cuda' if torch.cuda.is_available() else 'cpu'
-    if cfg['dtype'] == 'auto':
-        cfg['dtype'] = 'bfloat16' if cfg['device'].startswith('cuda') and torch.cuda.is_bf16_supported() else 'float32'
-    device = torch.device(cfg['device'])
-    ctx = (nullcontext() if cfg['dtype'] == 'float32'
-           else torch.autocast(device_type=device.type, dtype=getattr(torch, cfg['dtype'])))
+    device = resolve_device(cfg['device'])
+    _, ctx = precision(device, cfg['dtype'])
 
     try:
         ckpt = load_checkpoint(f"{cfg['out_dir']}/{cfg['ckpt_name']}")

@@ -76,11 +76,29 @@ CHOICES = {
 MODEL_KEYS = [f.name for f in fields(GPTConfig) if f.name not in DERIVED]
 
 
+def module_config(scope):
+    """The keys of a script: its public module-level ints, floats, bools and strings."""
+    return {k: v for k, v in scope.items() if not k.startswith('_') and type(v) in (int, float, bool, str)}
+
+
 def default_config():
-    cfg = {f.name: f.default for f in fields(GPTConfig) if f.name not in DERIVED}
-    cfg.update({k: v for k, v in globals().items()
-                if not k.startswith('_') and k.isidentifier() and type(v) in (int, float, bool, str)})
-    return cfg
+    return {**{f.name: f.default for f in fields(GPTConfig) if f.name not in DERIVED}, **module_config(globals())}
+
+
+def resolve_device(name):
+    """'auto' = cuda > mps > cpu; anything else as torch.device understands it."""
+    if name == 'auto':
+        name = 'cuda' if torch.cuda.is_available() else 'mps' if torch.backends.mps.is_available() else 'cpu'
+    return torch.device(name)
+
+
+def precision(device, dtype):
+    """The dtype name ('auto' = bfloat16 on a GPU that supports it, else float32) and the autocast
+    context to run forward passes in."""
+    if dtype == 'auto':
+        dtype = 'bfloat16' if device.type == 'cuda' and torch.cuda.is_bf16_supported() else 'float32'
+    ctx = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device.type, dtype=getattr(torch, dtype))
+    return dtype, ctx
 
 
 def set_key(cfg, key, value, where):
@@ -273,15 +291,9 @@ def main(argv):
     if ddp and backend == 'nccl':
         device = torch.device(f"cuda:{int(os.environ['LOCAL_RANK'])}")
         torch.cuda.set_device(device)
-    elif cfg['device'] == 'auto':
-        device = torch.device('cuda' if torch.cuda.is_available() else
-                              'mps' if torch.backends.mps.is_available() else 'cpu')
     else:
-        device = torch.device(cfg['device'])
-    dtype = cfg['dtype']
-    if dtype == 'auto':
-        dtype = 'bfloat16' if device.type == 'cuda' and torch.cuda.is_bf16_supported() else 'float32'
-    ctx = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device.type, dtype=getattr(torch, dtype))
+        device = resolve_device(cfg['device'])
+    dtype, ctx = precision(device, cfg['dtype'])
     torch.manual_seed(cfg['seed'] + rank)
     try:
         if ddp and not master:
