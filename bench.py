@@ -4,6 +4,7 @@ Cost of every residual method against prenorm, measured in one process.
     python bench.py                                  # default config, every registered method
     python bench.py --config=deep --methods=prenorm,block_attnres,wav --steps=5
     python bench.py --compile=True --json=bench.json
+    python bench.py --methods=mgr --mgr_fallback_p=-1   # MGR without the inverting backward
 
 Steps are interleaved (step 1 of every method, then step 2, ...) so that machine noise hits all
 methods alike. Reports the median train-step time (forward + backward + AdamW step), tokens/s,
@@ -17,6 +18,7 @@ import time
 
 import torch
 
+from kernels import KERNELS, resolve as resolve_kernels
 from model import GPT, GPTConfig
 from residuals import RESIDUALS
 from train import apply_override, module_config, precision, resolve_device
@@ -34,6 +36,8 @@ warmup = 1  # untimed steps per method first (compilation happens here: raise it
 device = 'auto'
 dtype = 'auto'
 compile = False
+kernels = 'auto'  # who runs the depth mixing and the MGR step: auto, torch or triton (kernels.py)
+mgr_fallback_p = 1  # MGR backward inverts the lerp, keeping p originals per token; -1 = plain backward
 seed = 0
 json_path = ''  # write the results here too
 
@@ -66,18 +70,24 @@ def main(argv):
         sys.exit(f"error: unknown methods {unknown}; choose from: {', '.join(RESIDUALS)}")
     dev = resolve_device(cfg['device'])
     dtype_name, ctx = precision(dev, cfg['dtype'])
+    try:
+        backend = resolve_kernels(cfg['kernels'], dev.type)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
     shape = dict(CONFIGS[cfg['config']])
     B, T = shape.pop('batch_size'), shape['block_size']
     gen = torch.Generator().manual_seed(cfg['seed'])
     x = torch.randint(cfg['vocab_size'], (B, T), generator=gen).to(dev)
     y = torch.randint(cfg['vocab_size'], (B, T), generator=gen).to(dev)
     print(f"bench: {cfg['config']} {shape}, batch {B}, on {dev} {dtype_name}, compile={cfg['compile']}, "
+          f"kernels={backend}, mgr_fallback_p={cfg['mgr_fallback_p']}, "
           f"{cfg['warmup']} warm-up + {cfg['steps']} timed steps each, {torch.get_num_threads()} threads")
 
     runs = {}
     for name in names:
         torch.manual_seed(cfg['seed'])
         model = GPT(GPTConfig(**shape, vocab_size=cfg['vocab_size'], residual=name)).to(dev)
+        model.set_kernels(backend, cfg['mgr_fallback_p'])
         with ctx:
             saved = saved_bytes(model, x, y)
         optimizer = model.configure_optimizers(0.1, 1e-4, (0.9, 0.95), dev.type)

@@ -153,6 +153,18 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
+    def set_kernels(self, backend, mgr_fallback_p=1):
+        """How the routing runs; neither changes the maths. backend: 'torch' or 'triton' (see
+        kernels.resolve) computes the depth mixing and the MGR step. mgr_fallback_p: MGR's backward
+        rebuilds its streams by inverting the lerp, keeping the originals of the p largest gates per
+        token; -1 keeps every input instead (with torch: the plain autograd reference)."""
+        if mgr_fallback_p < -1:
+            raise ValueError(f"mgr_fallback_p must be -1 (no inversion) or >= 0, got {mgr_fallback_p}")
+        if hasattr(self.residual, 'kernels'):
+            self.residual.kernels = backend
+        if hasattr(self.residual, 'fallback_p'):
+            self.residual.fallback_p = mgr_fallback_p
+
     def get_num_params(self, non_embedding=True):
         """Parameter count; the position embedding is left out by default, as in nanoGPT."""
         n_params = sum(p.numel() for p in self.parameters())

@@ -9,13 +9,14 @@ Everything here works per token, so causality is the attention's alone.
 
 To add a method: write one class below and add one line to RESIDUALS at the bottom.
 """
-import functools
 import itertools
 import math
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
+
+import kernels
 
 
 class PreNorm(nn.Module):
@@ -141,13 +142,22 @@ class DepthRouter(nn.Module):
     """What the AttnRes family shares: one zero-init pseudo-query per sublayer (index i) and one
     for the output mixer (index L), so that at init every read is the plain average of its
     sources. Set `self.recorded = []` to collect, for every read in order, a dict with the
-    query index, its weights (S, B, T) and which sources are WAV details (for analyze.py)."""
+    query index, its weights (S, B, T) and which sources are WAV details (for analyze.py).
+    `self.kernels` ('torch' or 'triton', see kernels.py) picks who computes the depth mixing."""
     sublayer_norm = True
 
     def __init__(self, config):
         super().__init__()
         self.queries = nn.Parameter(torch.zeros(2 * config.n_layer + 1, config.n_embd))
         self.recorded = None
+        self.kernels = 'torch'
+
+    def depth_mix(self, queries, bias, sources):
+        """DepthMix or its Triton kernel -> mixed (m, B, T, C), lse (m, B, T), weights or None.
+        The kernel returns no weights, so a recording run uses DepthMix."""
+        if self.kernels == 'triton' and self.recorded is None:
+            return *kernels.triton_depth_mix(queries, bias, list(sources)), None
+        return DepthMix.apply(queries, bias, *sources)
 
     def mix(self, i, sources, bias=None, is_detail=None):
         """Query i reads the sources: sum_s softmax_s(q_i . RMSNorm(v_s) + bias_s) v_s."""
@@ -156,16 +166,16 @@ class DepthRouter(nn.Module):
 
     def mix_many(self, first, n, sources, bias=None):
         """Phase 1: queries first..first+n-1 against the same sources, in one pass over them."""
-        return DepthMix.apply(self.queries[first:first + n], bias, *sources)
+        return self.depth_mix(self.queries[first:first + n], bias, sources)
 
     def read(self, i, done, k, more=(), more_bias=None, is_detail=None):
         """Phase 2: row k of a mix_many result for query i, merged by an online softmax with
         further sources (the current block's) that query i alone reads. is_detail flags the
         sources that are WAV details, for the recording only."""
-        mixed, lse, weights = (t[k] for t in done)
+        mixed, lse, weights = (None if t is None else t[k] for t in done)
         if more:
-            more_mixed, more_lse, more_weights = (t[0] for t in DepthMix.apply(
-                self.queries[i:i + 1], None if more_bias is None else more_bias[None], *more))
+            more_mixed, more_lse, more_weights = (None if t is None else t[0] for t in self.depth_mix(
+                self.queries[i:i + 1], None if more_bias is None else more_bias[None], more))
             total = torch.logaddexp(lse, more_lse)
             old, new = torch.exp(lse - total), torch.exp(more_lse - total)
             mixed = old.unsqueeze(-1).to(mixed.dtype) * mixed + new.unsqueeze(-1).to(mixed.dtype) * more_mixed
@@ -227,12 +237,12 @@ class DeltaAttnRes(DepthRouter):
         return x
 
 
-@functools.lru_cache
 def detail_signs(m, levels):
     """The detail bases of a block of m sublayers, one row each: phase (+1 attention, -1 MLP),
     then Haar levels: level l contrasts the two halves of each of its 2^(l-1) segments (level 1
     is the split basis: first half +1, second half -1). A segment of odd length leaves its middle
-    sublayer at 0, so every row sums to zero; a segment too short gives a row of zeros."""
+    sublayer at 0, so every row sums to zero; a segment too short gives a row of zeros.
+    Plain numbers (a tuple of rows), so that code branching on them compiles without a graph break."""
     rows = [[1.0 if k % 2 == 0 else -1.0 for k in range(m)]]
     for level in range(1, levels + 1):
         n_segments = 2 ** (level - 1)
@@ -240,7 +250,7 @@ def detail_signs(m, levels):
         for lo, hi in zip(bounds, bounds[1:]):
             half = (hi - lo) // 2
             rows.append([1.0 if lo <= k < lo + half else -1.0 if hi - half <= k < hi else 0.0 for k in range(m)])
-    return torch.tensor(rows)
+    return tuple(tuple(row) for row in rows)
 
 
 def rms_match(detail, state, rho, eps=1e-6):
@@ -267,7 +277,7 @@ class WAV(BlockAttnRes):
 
     def basis(self, m):
         """Coefficients (n_details, m) of a block of m sublayers; every row sums to zero."""
-        signs = detail_signs(m, self.levels).to(self.detail_bias.device)
+        signs = torch.tensor(detail_signs(m, self.levels), device=self.detail_bias.device)
         if self.basis_delta is None:
             return signs
         delta = self.basis_delta[:, :m]
@@ -287,7 +297,7 @@ class WAV(BlockAttnRes):
                 i = start + k
                 more, more_kinds = [], []
                 if k > 0:  # the P terms only once the block has begun; rows whose support has begun
-                    rows = [d for d in range(len(signs)) if signs[d, :k].any()]
+                    rows = [d for d in range(len(signs)) if any(signs[d][:k])]
                     more = [partial] + [rms_match(details[d], partial, self.rho) for d in rows]
                     more_kinds = [-1] + rows
                 h = self.read(i, finished, k, more, self.pool_bias(i, more_kinds) if more else None,
@@ -296,7 +306,7 @@ class WAV(BlockAttnRes):
                 partial = u if partial is None else partial + u
                 contribution = coeffs[:, k, None, None, None].to(u.dtype) * u
                 details = contribution if details is None else details + contribution
-            rows = [d for d in range(len(signs)) if signs[d].any()]
+            rows = [d for d in range(len(signs)) if any(signs[d])]
             sources = sources + [partial] + [rms_match(details[d], partial, self.rho) for d in rows]
             kinds = kinds + [-1] + rows
         if not self.detail_readout:  # conservative readout: e and the block sums only
@@ -426,6 +436,7 @@ class MultiGateResiduals(nn.Module):
                              f"use more layers, fewer streams or a lower mgr_b_base")
         bias = math.log(1 / g - n) if self.competitive else math.log(g / (1 - g))
         self.gate_bias = nn.Parameter(torch.full((L,), bias))
+        self.kernels, self.fallback_p = 'torch', 1  # how it runs, not what it computes: GPT.set_kernels
         self.recorded = None  # set to [] to collect the streams (n, B, T, C) after every sublayer
 
     def pool(self, i, streams):
@@ -439,18 +450,34 @@ class MultiGateResiduals(nn.Module):
             return torch.softmax(torch.cat([keep, z]), dim=0)[1:]
         return torch.sigmoid(z + upcast(self.gate_bias[j]))
 
+    def step(self, i, streams, u, tape, last):
+        """Gated sublayer i: every stream's convex step towards u, then the AttnPool that gives
+        sublayer i + 1 its input (the readout after the last). This plain version is the
+        reference; kernels.mgr_step fuses it and can invert the lerp in its backward."""
+        j = i - (self.n - 1)
+        if self.kernels == 'torch' and self.fallback_p < 0:
+            beta = self.gates(j, streams).unsqueeze(-1).to(u.dtype)
+            streams = streams + beta * (u - streams)  # (1 - beta) s + beta u
+            return streams, self.pool(i + 1, streams)
+        return kernels.mgr_step(streams, u, self.gate_queries[j] * self.scale, self.gate_bias[j],
+                                self.pool_queries[i + 1] * self.scale, self.competitive, self.fallback_p,
+                                tape, i, last, self.kernels)
+
     def forward(self, x, sublayers):
         streams = x.unsqueeze(0)  # s_1 = e
+        h = self.pool(0, streams)
+        # the fused steps' inverting backward passes the streams backwards on this tape (eager only)
+        tape = {} if self.fallback_p >= 0 and not torch.compiler.is_compiling() else None
         for i, f in enumerate(sublayers):
-            u = f(self.pool(i, streams))
+            u = f(h)
             if i < self.n - 1:  # accumulation phase: the update starts a new stream
                 streams = torch.cat([streams, u.unsqueeze(0)])
+                h = self.pool(i + 1, streams)
             else:
-                beta = self.gates(i - (self.n - 1), streams).unsqueeze(-1).to(u.dtype)
-                streams = streams + beta * (u - streams)  # (1 - beta) s + beta u
+                streams, h = self.step(i, streams, u, tape, last=i == len(sublayers) - 1)
             if self.recorded is not None:
                 self.recorded.append(streams.detach())
-        return self.pool(len(sublayers), streams)
+        return h
 
 
 RESIDUALS = {

@@ -14,11 +14,16 @@ import sys
 import time
 from pathlib import Path
 
+# the Triton kernels run on CPU tensors through Triton's interpreter, which must be chosen before
+# triton is imported (kernels.py imports it)
+os.environ.setdefault('TRITON_INTERPRET', '1')
+
 import numpy as np
 import pytest
 import torch
 
 import data
+import kernels
 import train
 from model import GPT, GPTConfig
 from residuals import RESIDUALS
@@ -54,9 +59,9 @@ def unigram_entropy(tokens):
     return float(-(probs * np.log(probs)).sum())
 
 
-def run_cli(script, *args, cwd=ROOT, timeout=120):
+def run_cli(script, *args, cwd=ROOT, timeout=120, env=None):
     return subprocess.run([sys.executable, str(ROOT / script), *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, env=env)
 
 
 @pytest.fixture(scope='session')
@@ -270,12 +275,12 @@ def test_rms_match_scale_is_detached_and_capped():
 
 def test_wav_haar_levels_and_learned_bases_are_zero_sum():
     from residuals import detail_signs
-    assert detail_signs(4, 2).tolist() == [[1, -1, 1, -1], [1, 1, -1, -1], [1, -1, 0, 0], [0, 0, 1, -1]]
-    assert detail_signs(6, 2).tolist()[2:] == [[1, 0, -1, 0, 0, 0], [0, 0, 0, 1, 0, -1]]
+    assert detail_signs(4, 2) == ((1, -1, 1, -1), (1, 1, -1, -1), (1, -1, 0, 0), (0, 0, 1, -1))
+    assert detail_signs(6, 2)[2:] == ((1, 0, -1, 0, 0, 0), (0, 0, 0, 1, 0, -1))
     for knobs in [{'wav_levels': 2}, {'wav_levels': 3}, {'wav_learned_basis': True}]:
         router = routing('wav', 5, res_block_size=4, **knobs)  # blocks of 8 and 2 sublayers
         if router.basis_delta is not None:
-            assert torch.equal(router.basis(8), detail_signs(8, 1))  # learned bases start at the signs
+            assert torch.equal(router.basis(8), torch.tensor(detail_signs(8, 1)))  # learned bases start at the signs
             torch.nn.init.normal_(router.basis_delta)
         for m in (8, 2):
             assert torch.allclose(router.basis(m).sum(dim=1), torch.zeros(len(router.basis(m))), atol=1e-6)
@@ -427,6 +432,199 @@ def test_mgr_accumulation_phase_starts_n_distinct_streams():
     assert all(not torch.allclose(streams[a], streams[b]) for a in range(4) for b in range(a))
     with pytest.raises(ValueError, match='needs more than 3 sublayers'):
         routing('mgr', 1, mgr_streams=4)
+
+
+# ----------------------------------------------------------------------------- kernels
+
+needs_triton = pytest.mark.skipif(kernels.triton is None, reason='triton is not installed (pip install triton; Linux)')
+
+
+def rel_rms(got, want):
+    """RMS of the difference over the RMS of `want` (the plain RMS where `want` is all zero)."""
+    diff, scale = (got.double() - want.double()).pow(2).mean().sqrt(), want.double().pow(2).mean().sqrt()
+    return (diff / scale if scale > 0 else diff).item()
+
+
+@pytest.fixture
+def few_programs(monkeypatch):
+    """At most 5 programs in the reducing backward kernels, so that on a few tokens each program
+    already loops over several of them and writes a partial sum (on a GPU: up to 512)."""
+    monkeypatch.setattr(kernels, 'reduction_programs', lambda n_tokens: min(n_tokens, 5))
+
+
+@needs_triton
+@pytest.mark.parametrize('S,m,C,T,with_bias', [(1, 1, 7, 3, False), (2, 1, 20, 5, True), (13, 3, 48, 7, True),
+                                               (40, 2, 33, 5, False), (40, 6, 100, 3, True), (2, 2, 24, 1, True)])
+def test_depth_mix_kernel_equals_its_reference(S, m, C, T, with_bias, few_programs):
+    """The Triton depth_mix (interpreted, float32) against DepthMix, the PyTorch reference, run in
+    float64 on the same inputs: mixed, lse and the gradients of the queries, the bias and the
+    sources (all S as one tensor) within relative RMS 1e-5. (The float32 reference is itself up to
+    ~1e-5 from float64 on single sources, so float64 is the oracle.)"""
+    from residuals import DepthMix
+    gen = torch.Generator().manual_seed(S * 100 + T)
+    sources = [torch.randn(2, T, C, generator=gen) * (1 + s % 3) for s in range(S)]
+    queries = torch.randn(m, C, generator=gen)
+    bias = torch.randn(m, S, generator=gen) if with_bias else None
+    grad_mixed, grad_lse = torch.randn(m, 2, T, C, generator=gen), torch.randn(m, 2, T, generator=gen)
+
+    def run(mix, dtype):
+        q, *srcs = [t.to(dtype).requires_grad_() for t in [queries] + sources]
+        b = bias.to(dtype).requires_grad_() if with_bias else None
+        mixed, lse = mix(q, b, srcs)[:2]
+        grads = torch.autograd.grad((mixed * grad_mixed.to(dtype)).sum() + (lse * grad_lse.to(dtype)).sum(),
+                                    [q] + ([b] if with_bias else []) + srcs)
+        return [mixed, lse, grads[0]] + ([grads[1]] if with_bias else []) + [torch.stack(grads[-S:])]
+    got = run(kernels.triton_depth_mix, torch.float32)
+    want = run(lambda q, b, srcs: DepthMix.apply(q, b, *srcs), torch.float64)
+    for name, a, b in zip(['mixed', 'lse', 'd queries'] + ['d bias'] * with_bias + ['d sources'], got, want):
+        assert a.dtype == torch.float32 and rel_rms(a, b) <= 1e-5, name
+
+
+def mgr_run(n, C, T, gate, backend, fallback_p, dtype, seed=0):
+    """An MGR residual over 2n+2 random tanh sublayers with randomised routing: output and the
+    gradients of e and of every routing parameter."""
+    gen = torch.Generator().manual_seed(seed)
+    router = routing('mgr', n + 1, C=C, n_head=1, mgr_streams=n, mgr_gate=gate)
+    randomize_routing(router, seed)
+    router.to(dtype).kernels, router.fallback_p = backend, fallback_p
+    weights = [torch.randn(C, C, generator=gen).to(dtype) * C ** -0.5 for _ in range(2 * n + 2)]
+    e = torch.randn(2, T, C, generator=gen).to(dtype).requires_grad_()
+    out = router(e, [lambda h, w=w: 3 * torch.tanh(h @ w) for w in weights])
+    grads = torch.autograd.grad((out * torch.randn(out.shape, generator=gen).to(dtype)).sum(),
+                                [e] + list(router.parameters()))
+    return [out, *grads]
+
+
+@needs_triton
+@pytest.mark.parametrize('n,C,T,gate,p', [(1, 7, 3, 'competitive', 1), (3, 20, 7, 'independent', 0),
+                                          (4, 33, 5, 'competitive', 1), (4, 48, 3, 'independent', 2),
+                                          (5, 40, 3, 'competitive', 5)])
+def test_mgr_step_kernel_and_inversion_equal_the_plain_backward(n, C, T, gate, p, few_programs):
+    """MGR through the fused step, Triton (interpreted) and its PyTorch twin, with the inverting
+    backward (the p largest gates kept) and without, against the plain-autograd MGR in float64:
+    the output and every gradient within relative RMS 1e-5."""
+    want = mgr_run(n, C, T, gate, 'torch', -1, torch.float64)
+    for backend, fallback_p in [('torch', p), ('triton', p), ('triton', -1)]:
+        got = mgr_run(n, C, T, gate, backend, fallback_p, torch.float32)
+        errors = [rel_rms(a, b) for a, b in zip(got, want)]
+        assert max(errors) <= 1e-5, (backend, fallback_p, errors)
+
+
+@pytest.mark.filterwarnings('ignore::RuntimeWarning')  # p = 0 divides by 1 - beta = 0
+@pytest.mark.parametrize('backend', ['torch', pytest.param('triton', marks=needs_triton)])
+def test_mgr_fallback_keeps_the_streams_the_inversion_cannot_rebuild(backend, few_programs):
+    """Competitive gates with no keep weight and one dominant stream per token: its beta is ~1, so
+    s = (s' - beta u) / (1 - beta) loses it. Keeping that stream's original (p = 1), the gradients
+    are as close to float64's as the plain float32 backward's are (gates this sharp cost float32
+    itself ~3e-5 here); without it (p = 0) they are not even finite."""
+    def run(fallback_p, dtype):
+        gen = torch.Generator().manual_seed(0)
+        router = routing('mgr', 4, C=24, mgr_streams=3)
+        randomize_routing(router)
+        with torch.no_grad():
+            router.gate_bias.fill_(-30.0)  # the keep logit: gates sum to 1
+            router.gate_queries.mul_(200.0)  # one stream wins the gate at every token
+        router.to(dtype).kernels, router.fallback_p = backend if fallback_p >= 0 else 'torch', fallback_p
+        e = torch.randn(2, 5, 24, generator=gen).to(dtype).requires_grad_()
+        updates = [(torch.randn(2, 5, 24, generator=gen) * 3).to(dtype).requires_grad_() for _ in range(8)]
+        out = router(e, fake_sublayers(updates, []))
+        return torch.autograd.grad((out * torch.randn(out.shape, generator=gen).to(dtype)).sum(), [e] + updates)
+    want = run(-1, torch.float64)
+    error = lambda fallback_p: max(rel_rms(a, b) for a, b in zip(run(fallback_p, torch.float32), want))
+    assert error(1) <= error(-1) + 1e-5
+    assert not error(0) <= 1e-3
+
+
+def test_mgr_inversion_keeps_at_least_3x_less_than_the_plain_backward():
+    """Bytes saved for backward, 4 streams: the excess over prenorm with the inverting backward is
+    under a third of the plain backward's (bench.py reports the full-size figures)."""
+    from bench import saved_bytes
+    idx = torch.randint(27, (2, 32))
+    saved = {}
+    for name, fallback_p in [('prenorm', 1), ('plain', -1), ('p=1', 1), ('p=0', 0)]:
+        model = tiny_model('prenorm' if name == 'prenorm' else 'mgr', n_layer=6, n_embd=64)
+        model.set_kernels('torch', fallback_p)
+        saved[name] = saved_bytes(model, idx, idx)
+    excess = {k: v - saved['prenorm'] for k, v in saved.items()}
+    assert excess['plain'] > 3 * excess['p=1'] > 3 * excess['p=0'] > 0
+
+
+def test_mgr_inverting_backward_runs_twice_and_refuses_to_start_at_an_inner_step():
+    """Every backward through the model starts at the last step, which keeps its output, so a
+    retained graph backpropagates again to the same gradients; a backward from an inner step's
+    output has nothing to rebuild from and says so."""
+    model = tiny_model('mgr', n_layer=3)
+    randomize_routing(model)
+    idx = torch.randint(27, (2, 8))
+    _, loss = model(idx, idx)
+    grads = []
+    for _ in range(2):
+        loss.backward(retain_graph=True)
+        grads.append([p.grad.clone() for p in model.parameters()])
+        model.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    router, inputs = routing('mgr', 3, mgr_streams=4), []
+    randomize_routing(router)
+    gen = torch.Generator().manual_seed(0)
+    router(torch.randn(1, 2, 16, generator=gen), fake_sublayers([torch.randn(1, 2, 16, generator=gen)] * 6, inputs))
+    with pytest.raises(RuntimeError, match='mgr_fallback_p=-1'):
+        inputs[4].sum().backward()  # the input of sublayer 4, made by the (inner) step of sublayer 3
+
+
+@needs_triton
+@pytest.mark.parametrize('residual', ['block_attnres', 'wav', 'mgr'])
+def test_training_with_kernels_on_and_off_gives_the_same_losses(residual, data_dir):
+    """A few AdamW steps on real text with the Triton kernels (interpreted) and with plain PyTorch
+    (for mgr: the plain backward, no inversion): the same losses within 1e-4."""
+    ds = data.load(REAL_TEXT, data_dir)
+    text = torch.from_numpy(ds.splits['train'][:8192].astype(np.int64))
+    starts = torch.randint(len(text) - 9, (4, 2), generator=torch.Generator().manual_seed(0))
+    losses = {}
+    for backend, fallback_p in [('torch', -1), ('triton', 1)]:
+        model = tiny_model(residual, n_layer=3, n_embd=24, block_size=8, vocab_size=ds.vocab_size, res_block_size=2)
+        model.set_kernels(backend, fallback_p)
+        optimizer = model.configure_optimizers(0.1, 1e-2, (0.9, 0.99), 'cpu')
+        losses[backend] = []
+        for batch in starts:
+            x = torch.stack([text[s:s + 8] for s in batch])
+            y = torch.stack([text[s + 1:s + 9] for s in batch])
+            _, loss = model(x, y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses[backend].append(loss.item())
+    assert losses['torch'][-1] < losses['torch'][0]  # it learns, so the kernels' gradients matter
+    assert max(abs(a - b) for a, b in zip(losses['torch'], losses['triton'])) <= 1e-4
+
+
+@needs_triton
+@pytest.mark.parametrize('residual', ['block_attnres', 'wav', 'mgr'])
+def test_kernels_compile_without_graph_breaks(residual):
+    """torch.compile(fullgraph=True) traces the models with the kernels as opaque custom ops
+    (aot_eager: the same tracing as inductor, without generating code) and gives eager's loss
+    and gradients."""
+    model = tiny_model(residual, n_layer=2, n_embd=24, block_size=8)
+    randomize_routing(model)
+    model.set_kernels('triton')
+    idx = torch.randint(27, (2, 7), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for run in (model, torch.compile(model, fullgraph=True, backend='aot_eager')):
+        _, loss = run(idx, idx)
+        loss.backward()
+        grads.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+        model.zero_grad()
+    assert torch.allclose(grads[0][0], grads[1][0], atol=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads[0][1], grads[1][1]))
+
+
+def test_kernels_knob_errors_are_clear():
+    assert kernels.resolve('auto', 'cpu') == 'torch' and kernels.resolve('torch', 'cuda') == 'torch'
+    with pytest.raises(ValueError, match='choose one of: auto, torch, triton'):
+        kernels.resolve('cuda', 'cpu')
+    result = run_cli('train.py', '--kernels=triton', '--max_iters=1', env={**os.environ, 'TRITON_INTERPRET': '0'})
+    assert result.returncode != 0 and 'Traceback' not in result.stderr
+    wanted = 'set TRITON_INTERPRET=1' if kernels.triton is not None else 'pip install triton'
+    assert 'error: kernels=triton' in result.stderr and wanted in result.stderr
 
 
 # ----------------------------------------------------------------------------- data

@@ -26,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 import data
+from kernels import KERNELS, resolve as resolve_kernels
 from model import GPT, GPTConfig
 from residuals import RESIDUALS
 
@@ -64,6 +65,8 @@ min_lr = 2e-4
 device = 'auto'  # auto = cuda > mps > cpu; or e.g. cpu, cuda, cuda:1
 dtype = 'auto'  # auto = bfloat16 on a GPU that supports it, else float32
 compile = False
+kernels = 'auto'  # who runs the depth mixing and the MGR step: torch, or triton (auto: triton on CUDA)
+mgr_fallback_p = 1  # MGR's backward inverts the lerp, keeping p originals per token; -1 = plain backward
 # -----------------------------------------------------------------------------
 
 DERIVED = {'vocab_size'}  # GPTConfig fields that come from the dataset, not the command line
@@ -72,6 +75,7 @@ CHOICES = {
     'init_from': ('scratch', 'resume'),
     'dtype': ('auto', 'float32', 'bfloat16'),
     'mgr_gate': ('independent', 'competitive'),
+    'kernels': KERNELS,
 }
 MODEL_KEYS = [f.name for f in fields(GPTConfig) if f.name not in DERIVED]
 
@@ -303,6 +307,7 @@ def main(argv):
             torch.distributed.barrier()
         if ckpt is not None:
             model.load_state_dict(ckpt['model'])
+        model.set_kernels(resolve_kernels(cfg['kernels'], device.type), cfg['mgr_fallback_p'])
     except (data.DataError, ValueError, RuntimeError) as e:
         sys.exit(f"error: {e}")
     if master:

@@ -1,0 +1,454 @@
+"""
+Fused kernels (optional): depth mixing for the AttnRes family and WAV, and one fused MGR step.
+
+Each kernel has a plain-PyTorch twin that computes the same thing and is the default; the
+Triton versions run on CUDA, or on CPU tensors through Triton's interpreter when TRITON_INTERPRET=1
+is set before triton is imported (that is how the tests check them). Choose with `--kernels`:
+`auto` = Triton on CUDA when it imports, else torch. The Triton launches are wrapped as
+torch.library custom ops, so torch.compile treats them as single opaque nodes (no graph break).
+
+depth_mix: m queries read a list of S sources (B, T, C), one program per token: each source is
+read once in the forward (RMS, dots with every query and an online softmax in one pass) and once
+in the backward. The sources are passed as a table of their addresses, never stacked.
+
+MGR step: the streams' convex update and the next sublayer's AttnPool in one pass over the streams.
+Its backward can rebuild the input streams from the output streams by inverting the lerp,
+s = (s' - beta u) / (1 - beta), so the chain of steps keeps one set of streams instead of one per
+sublayer; the originals of the p largest gates per token are stored, as the inversion divides by
+1 - beta (`mgr_fallback_p` = p).
+"""
+import os
+from typing import List, Tuple
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the kernels are optional: everything runs with kernels=torch
+    triton = None
+
+RMS_EPS = 1e-6  # the same eps as residuals.rms_norm
+KERNELS = ('auto', 'torch', 'triton')
+
+
+def resolve(kernels, device_type):
+    """'torch' or 'triton' for the --kernels knob on this device; a clear error when triton can't run."""
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels={kernels!r}; choose one of: {', '.join(KERNELS)}")
+    if kernels == 'torch' or (kernels == 'auto' and (triton is None or device_type != 'cuda')):
+        return 'torch'
+    if triton is None:
+        raise ValueError("kernels=triton needs the triton package: pip install triton (Linux), or use --kernels=torch")
+    if device_type != 'cuda' and os.environ.get('TRITON_INTERPRET') != '1':
+        raise ValueError(f"kernels=triton runs on CUDA, and this run is on {device_type}; use --kernels=torch, "
+                         "or set TRITON_INTERPRET=1 to run the kernels through Triton's (slow) interpreter")
+    return 'triton'
+
+
+def next_pow2(x):
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def reduction_programs(n_tokens):
+    """Programs of a backward kernel that also reduces over tokens (query, bias grads): each loops
+    over tokens and writes one partial sum, so there are no atomics and the result is deterministic."""
+    return min(n_tokens, 512)
+
+
+# ----------------------------------------------------------------------------- depth mixing
+
+if triton is not None:
+    @triton.jit
+    def _depth_mix_fwd(table, Q, BIAS, OUT, LSE, S, M, N, C, eps, BM: tl.constexpr, BC: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        rows, cols = tl.arange(0, BM), tl.arange(0, BC)
+        rmask, cmask = rows < M, cols < C
+        q = tl.load(Q + rows[:, None] * C + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.).to(tl.float32)
+        run_max = tl.full((BM,), float('-inf'), tl.float32)
+        run_sum = tl.zeros((BM,), tl.float32)
+        acc = tl.zeros((BM, BC), tl.float32)
+        for s in range(S):  # online softmax over the sources: each is read once
+            v_ptr = tl.load(table + s).to(tl.pointer_type(OUT.dtype.element_ty))
+            v = tl.load(v_ptr + t * C + cols, mask=cmask, other=0.).to(tl.float32)
+            r = tl.rsqrt(tl.sum(v * v, axis=0) / C + eps)
+            logit = r * tl.sum(q * v[None, :], axis=1) + tl.load(BIAS + rows * S + s, mask=rmask, other=0.)
+            new_max = tl.maximum(run_max, logit)
+            old, p = tl.exp(run_max - new_max), tl.exp(logit - new_max)
+            run_sum = run_sum * old + p
+            acc = acc * old[:, None] + p[:, None] * v[None, :]
+            run_max = new_max
+        mask = rmask[:, None] & cmask[None, :]
+        tl.store(OUT + rows[:, None] * N * C + t * C + cols[None, :], (acc / run_sum[:, None]).to(OUT.dtype.element_ty), mask=mask)
+        tl.store(LSE + rows * N + t, run_max + tl.log(run_sum), mask=rmask)
+
+    @triton.jit
+    def _depth_mix_bwd(table, grad_table, Q, BIAS, OUT, LSE, G, GLSE, DQ, DB, S, M, N, C, eps,
+                       BM: tl.constexpr, BC: tl.constexpr, BS: tl.constexpr):
+        pid, programs = tl.program_id(0), tl.num_programs(0)
+        rows, cols, srcs = tl.arange(0, BM), tl.arange(0, BC), tl.arange(0, BS)
+        rmask, cmask = rows < M, cols < C
+        mask = rmask[:, None] & cmask[None, :]
+        q = tl.load(Q + rows[:, None] * C + cols[None, :], mask=mask, other=0.).to(tl.float32)
+        dq = tl.zeros((BM, BC), tl.float32)
+        db = tl.zeros((BM, BS), tl.float32)
+        for token in range(pid, N, programs):
+            t = pid.to(tl.int64) + (token - pid)  # int64 offsets (the interpreter yields Python ints here)
+            at = rows[:, None] * N * C + t * C + cols[None, :]
+            g = tl.load(G + at, mask=mask, other=0.).to(tl.float32)
+            g_out = tl.sum(g * tl.load(OUT + at, mask=mask, other=0.).to(tl.float32), axis=1)
+            g_lse = tl.load(GLSE + rows * N + t, mask=rmask, other=0.)
+            lse = tl.load(LSE + rows * N + t, mask=rmask, other=0.)
+            for s in range(S):
+                v_ptr = tl.load(table + s).to(tl.pointer_type(OUT.dtype.element_ty))
+                v = tl.load(v_ptr + t * C + cols, mask=cmask, other=0.).to(tl.float32)
+                r = tl.rsqrt(tl.sum(v * v, axis=0) / C + eps)
+                score = r * tl.sum(q * v[None, :], axis=1)
+                logit = score + tl.load(BIAS + rows * S + s, mask=rmask, other=0.)
+                w = tl.where(rmask, tl.exp(logit - lse), 0.)
+                dl = w * (tl.sum(g * v[None, :], axis=1) - g_out + g_lse)  # d loss / d logit
+                dv = (tl.sum(w[:, None] * g, axis=0) + r * tl.sum(dl[:, None] * q, axis=0)
+                      - (r * r * tl.sum(dl * score, axis=0) / C) * v)
+                dv_ptr = tl.load(grad_table + s).to(tl.pointer_type(OUT.dtype.element_ty))
+                tl.store(dv_ptr + t * C + cols, dv.to(OUT.dtype.element_ty), mask=cmask)
+                dq += (dl * r)[:, None] * v[None, :]
+                db += tl.where(srcs[None, :] == s, dl[:, None], 0.)
+        tl.store(DQ + pid * M * C + rows[:, None] * C + cols[None, :], dq, mask=mask)
+        tl.store(DB + pid * M * S + rows[:, None] * S + srcs[None, :], db, mask=rmask[:, None] & (srcs[None, :] < S))
+
+
+def _address_table(tensors):
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=tensors[0].device)
+
+
+def triton_depth_mix(queries, bias, sources):
+    """DepthMix (residuals.py) in Triton: queries (m, C), bias (m, S) or None, a list of S sources
+    (B, T, C) -> mixed (m, B, T, C) in the sources' dtype, lse (m, B, T) float32. A missing bias
+    is passed as zeros (m * S numbers), which keeps one kernel."""
+    if bias is None:
+        bias = queries.new_zeros((queries.shape[0], len(sources)), dtype=torch.float32)
+    return _triton_depth_mix(queries, bias, list(sources))
+
+
+@torch.library.custom_op('resroute::depth_mix', mutates_args=())
+def _triton_depth_mix(queries: Tensor, bias: Tensor, sources: List[Tensor]) -> Tuple[Tensor, Tensor]:
+    sources = [v.contiguous() for v in sources]
+    (m, C), S, N = queries.shape, len(sources), sources[0].numel() // queries.shape[1]
+    mixed = sources[0].new_empty((m,) + sources[0].shape)
+    lse = torch.empty((m,) + sources[0].shape[:-1], device=queries.device, dtype=torch.float32)
+    _depth_mix_fwd[(N,)](_address_table(sources), queries.contiguous(), bias.float().contiguous(), mixed, lse,
+                         S, m, N, C, RMS_EPS, BM=next_pow2(m), BC=next_pow2(C))
+    return mixed, lse
+
+
+@_triton_depth_mix.register_fake
+def _(queries, bias, sources):
+    m, shape = queries.shape[0], sources[0].shape
+    return sources[0].new_empty((m,) + shape), queries.new_empty((m,) + shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op('resroute::depth_mix_backward', mutates_args=())
+def _triton_depth_mix_backward(queries: Tensor, bias: Tensor, sources: List[Tensor], mixed: Tensor, lse: Tensor,
+                               grad_mixed: Tensor, grad_lse: Tensor) -> Tuple[Tensor, Tensor, List[Tensor]]:
+    sources = [v.contiguous() for v in sources]
+    (m, C), S, N = queries.shape, len(sources), mixed[0].numel() // queries.shape[1]
+    grads = [torch.empty_like(v) for v in sources]
+    programs = reduction_programs(N)
+    dq = torch.empty((programs, m, C), device=mixed.device, dtype=torch.float32)
+    db = torch.empty((programs, m, S), device=mixed.device, dtype=torch.float32)
+    _depth_mix_bwd[(programs,)](_address_table(sources), _address_table(grads), queries.contiguous(),
+                                bias.float().contiguous(), mixed, lse, grad_mixed.contiguous(),
+                                grad_lse.float().contiguous(), dq, db, S, m, N, C, RMS_EPS,
+                                BM=next_pow2(m), BC=next_pow2(C), BS=next_pow2(S))
+    return dq.sum(0).to(queries.dtype), db.sum(0).to(bias.dtype), grads
+
+
+@_triton_depth_mix_backward.register_fake
+def _(queries, bias, sources, mixed, lse, grad_mixed, grad_lse):
+    return torch.empty_like(queries), torch.empty_like(bias), [torch.empty_like(v) for v in sources]
+
+
+def _depth_mix_setup(ctx, inputs, output):
+    queries, bias, sources = inputs
+    ctx.save_for_backward(queries, bias, *output, *sources)
+
+
+def _depth_mix_grads(ctx, grad_mixed, grad_lse):
+    queries, bias, mixed, lse, *sources = ctx.saved_tensors
+    grad_mixed = torch.zeros_like(mixed) if grad_mixed is None else grad_mixed
+    grad_lse = torch.zeros_like(lse) if grad_lse is None else grad_lse
+    return _triton_depth_mix_backward(queries, bias, sources, mixed, lse, grad_mixed, grad_lse)
+
+
+_triton_depth_mix.register_autograd(_depth_mix_grads, setup_context=_depth_mix_setup)
+
+
+# ----------------------------------------------------------------------------- MGR step
+
+def _gates(z, bias, competitive):
+    """beta (n, N) from scores z (n, N): softmax with a keep logit, or independent sigmoids."""
+    if competitive:
+        return torch.softmax(torch.cat([bias.expand_as(z[:1]), z]), dim=0)[1:]
+    return torch.sigmoid(z + bias)
+
+
+def _rms_dot(x, query):
+    """r = 1/RMS(x) and the score r x.query, per stream and token: x (n, N, C) -> (n, N), (n, N)."""
+    r = torch.rsqrt(x.pow(2).mean(-1) + RMS_EPS)
+    return r, r * (x @ query)
+
+
+def mgr_step_torch(streams, u, gate_query, gate_bias, pool_query, competitive, keep):
+    """The fused step in PyTorch: the gates from the input streams, the lerp, the AttnPool of the
+    result. streams (n, N, C), u (N, C); queries (C,) already scaled by 1/sqrt(C); gate_bias (1,).
+    Returns new streams, h (N, C), beta and alpha (n, N) float32, and the originals of the `keep`
+    largest gates per token (indices (keep, N), streams (keep, N, C)) for the inversion."""
+    s, u32 = streams.float(), u.float()
+    beta = _gates(_rms_dot(s, gate_query.float())[1], gate_bias.float(), competitive)
+    new = s + beta.unsqueeze(-1) * (u32 - s)
+    alpha = torch.softmax(_rms_dot(new, pool_query.float())[1], dim=0)
+    h = torch.einsum('nt,ntc->tc', alpha, new)
+    index = beta.topk(keep, dim=0).indices
+    kept = streams.gather(0, index.unsqueeze(-1).expand(-1, -1, streams.shape[-1]))
+    return new.to(streams.dtype), h.to(u.dtype), beta, alpha, index, kept
+
+
+def mgr_step_backward_torch(x, u, gate_query, gate_bias, pool_query, beta, alpha, index, kept,
+                            grad_new, grad_h, competitive, invert):
+    """Backward of mgr_step_torch. x is the step's output streams when `invert` (the inputs are
+    rebuilt from them, the kept originals put back), else its input streams (the outputs are
+    recomputed). Returns the grads of streams, u, gate_query, gate_bias, pool_query, and the
+    (rebuilt) input streams."""
+    x, u32, b = x.float(), u.float(), beta.unsqueeze(-1)
+    if invert:
+        new = x
+        s = (x - b * u32) / (1 - b)
+        s.scatter_(0, index.unsqueeze(-1).expand(-1, -1, x.shape[-1]), kept.float())
+    else:
+        s = x
+        new = s + b * (u32 - s)
+    C = x.shape[-1]
+    # AttnPool: h = sum_j alpha_j s'_j, alpha = softmax(r'_j s'_j.w)
+    r2, y = _rms_dot(new, pool_query.float())
+    g_alpha = torch.einsum('ntc,tc->nt', new, grad_h.float())
+    dy = alpha * (g_alpha - (alpha * g_alpha).sum(0))
+    d_new = (grad_new.float() + alpha.unsqueeze(-1) * grad_h.float()
+             + (dy * r2).unsqueeze(-1) * pool_query.float() - (dy * r2 * r2 * y / C).unsqueeze(-1) * new)
+    grad_pool = torch.einsum('nt,ntc->c', dy * r2, new)
+    # lerp: s' = s + beta (u - s)
+    grad_u = (b * d_new).sum(0)
+    d_beta = (d_new * (u32 - s)).sum(-1)
+    d_s = (1 - b) * d_new
+    # gates
+    if competitive:
+        weighted = (beta * d_beta).sum(0)
+        dz = beta * (d_beta - weighted)
+        grad_bias = (-(1 - beta.sum(0)) * weighted).sum()
+    else:
+        dz = d_beta * beta * (1 - beta)
+        grad_bias = dz.sum()
+    r, z = _rms_dot(s, gate_query.float())
+    d_s = d_s + (dz * r).unsqueeze(-1) * gate_query.float() - (dz * r * r * z / C).unsqueeze(-1) * s
+    grad_gate = torch.einsum('nt,ntc->c', dz * r, s)
+    return (d_s.to(x.dtype), grad_u.to(u.dtype), grad_gate, grad_bias.reshape(1), grad_pool, s)
+
+
+if triton is not None:
+    @triton.jit
+    def _mgr_step_fwd(S, U, VG, VP, BIAS, NEW, H, BETA, ALPHA, INDEX, KEPT, n, N, C, keep, eps,
+                      COMPETITIVE: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        rows, cols = tl.arange(0, BN), tl.arange(0, BC)
+        rmask, cmask = rows < n, cols < C
+        mask = rmask[:, None] & cmask[None, :]
+        at = rows[:, None] * N * C + t * C + cols[None, :]
+        s = tl.load(S + at, mask=mask, other=0.).to(tl.float32)  # the n streams: read once
+        u = tl.load(U + t * C + cols, mask=cmask, other=0.).to(tl.float32)
+        vg = tl.load(VG + cols, mask=cmask, other=0.).to(tl.float32)
+        vp = tl.load(VP + cols, mask=cmask, other=0.).to(tl.float32)
+        b = tl.load(BIAS).to(tl.float32)
+        z = tl.rsqrt(tl.sum(s * s, axis=1) / C + eps) * tl.sum(s * vg[None, :], axis=1)
+        if COMPETITIVE:  # softmax over [b, z_1..z_n], without the keep entry
+            z = tl.where(rmask, z, float('-inf'))
+            top = tl.maximum(tl.max(z, axis=0), b)
+            e = tl.exp(z - top)
+            beta = e / (tl.exp(b - top) + tl.sum(e, axis=0))
+        else:
+            beta = tl.where(rmask, tl.sigmoid(z + b), 0.)
+        new = s + beta[:, None] * (u[None, :] - s)
+        tl.store(NEW + at, new.to(NEW.dtype.element_ty), mask=mask)
+        y = tl.rsqrt(tl.sum(new * new, axis=1) / C + eps) * tl.sum(new * vp[None, :], axis=1)
+        y = tl.where(rmask, y, float('-inf'))
+        alpha = tl.exp(y - tl.max(y, axis=0))
+        alpha = alpha / tl.sum(alpha, axis=0)
+        tl.store(H + t * C + cols, tl.sum(alpha[:, None] * new, axis=0).to(H.dtype.element_ty), mask=cmask)
+        tl.store(BETA + rows * N + t, beta, mask=rmask)
+        tl.store(ALPHA + rows * N + t, alpha, mask=rmask)
+        left = tl.where(rmask, beta, -1.)
+        for k in range(keep):  # originals of the largest gates, for the inversion
+            j = tl.min(tl.where(left == tl.max(left, axis=0), rows, BN), axis=0)
+            tl.store(INDEX + k * N + t, j.to(tl.int64))
+            original = tl.sum(tl.where(rows[:, None] == j, s, 0.), axis=0)
+            tl.store(KEPT + k * N * C + t * C + cols, original.to(KEPT.dtype.element_ty), mask=cmask)
+            left = tl.where(rows == j, -2., left)
+
+    @triton.jit
+    def _mgr_step_bwd(X, U, VG, VP, BETA, ALPHA, INDEX, KEPT, G_NEW, G_H, D_S, D_U, REBUILT,
+                      D_VG, D_VP, D_B, n, N, C, keep, eps,
+                      COMPETITIVE: tl.constexpr, INVERT: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr):
+        pid, programs = tl.program_id(0), tl.num_programs(0)
+        rows, cols = tl.arange(0, BN), tl.arange(0, BC)
+        rmask, cmask = rows < n, cols < C
+        mask = rmask[:, None] & cmask[None, :]
+        vg = tl.load(VG + cols, mask=cmask, other=0.).to(tl.float32)
+        vp = tl.load(VP + cols, mask=cmask, other=0.).to(tl.float32)
+        d_vg = tl.zeros((BC,), tl.float32)
+        d_vp = tl.zeros((BC,), tl.float32)
+        d_b = tl.zeros((BN,), tl.float32)
+        for token in range(pid, N, programs):
+            t = pid.to(tl.int64) + (token - pid)  # int64 offsets (the interpreter yields Python ints here)
+            at = rows[:, None] * N * C + t * C + cols[None, :]
+            x = tl.load(X + at, mask=mask, other=0.).to(tl.float32)
+            u = tl.load(U + t * C + cols, mask=cmask, other=0.).to(tl.float32)
+            beta = tl.load(BETA + rows * N + t, mask=rmask, other=0.)
+            alpha = tl.load(ALPHA + rows * N + t, mask=rmask, other=0.)
+            if INVERT:  # rebuild the inputs from the outputs; the largest gates' originals were kept
+                new = x
+                s = (x - beta[:, None] * u[None, :]) / (1 - beta[:, None])
+                for k in range(keep):
+                    j = tl.load(INDEX + k * N + t)
+                    original = tl.load(KEPT + k * N * C + t * C + cols, mask=cmask, other=0.).to(tl.float32)
+                    s = tl.where(rows[:, None] == j, original[None, :], s)
+                tl.store(REBUILT + at, s.to(REBUILT.dtype.element_ty), mask=mask)
+            else:
+                s = x
+                new = s + beta[:, None] * (u[None, :] - s)
+            g_h = tl.load(G_H + t * C + cols, mask=cmask, other=0.).to(tl.float32)
+            # AttnPool
+            r2 = tl.rsqrt(tl.sum(new * new, axis=1) / C + eps)
+            y = r2 * tl.sum(new * vp[None, :], axis=1)
+            g_alpha = tl.sum(new * g_h[None, :], axis=1)
+            dy = alpha * (g_alpha - tl.sum(alpha * g_alpha, axis=0))
+            d_new = (tl.load(G_NEW + at, mask=mask, other=0.).to(tl.float32) + alpha[:, None] * g_h[None, :]
+                     + (dy * r2)[:, None] * vp[None, :] - (dy * r2 * r2 * y / C)[:, None] * new)
+            d_vp += tl.sum((dy * r2)[:, None] * new, axis=0)
+            # lerp
+            tl.store(D_U + t * C + cols, tl.sum(beta[:, None] * d_new, axis=0).to(D_U.dtype.element_ty), mask=cmask)
+            d_beta = tl.sum(d_new * (u[None, :] - s), axis=1)
+            d_s = (1 - beta[:, None]) * d_new
+            # gates
+            if COMPETITIVE:
+                weighted = tl.sum(beta * d_beta, axis=0)
+                dz = beta * (d_beta - weighted)
+                d_b += tl.where(rows == 0, -(1 - tl.sum(beta, axis=0)) * weighted, 0.)
+            else:
+                dz = d_beta * beta * (1 - beta)
+                d_b += dz
+            r = tl.rsqrt(tl.sum(s * s, axis=1) / C + eps)
+            z = r * tl.sum(s * vg[None, :], axis=1)
+            d_s += (dz * r)[:, None] * vg[None, :] - (dz * r * r * z / C)[:, None] * s
+            d_vg += tl.sum((dz * r)[:, None] * s, axis=0)
+            tl.store(D_S + at, d_s.to(D_S.dtype.element_ty), mask=mask)
+        tl.store(D_VG + pid * C + cols, d_vg, mask=cmask)
+        tl.store(D_VP + pid * C + cols, d_vp, mask=cmask)
+        tl.store(D_B + pid, tl.sum(d_b, axis=0))
+
+
+@torch.library.custom_op('resroute::mgr_step', mutates_args=())
+def triton_mgr_step(streams: Tensor, u: Tensor, gate_query: Tensor, gate_bias: Tensor, pool_query: Tensor,
+                    competitive: bool, keep: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """mgr_step_torch in Triton, one program per token."""
+    streams, u = streams.contiguous(), u.contiguous()
+    n, N, C = streams.shape
+    new, h = torch.empty_like(streams), torch.empty_like(u)
+    beta, alpha = (torch.empty((n, N), device=u.device, dtype=torch.float32) for _ in range(2))
+    index = torch.empty((keep, N), device=u.device, dtype=torch.int64)
+    kept = streams.new_empty((keep, N, C))
+    _mgr_step_fwd[(N,)](streams, u, gate_query.contiguous(), pool_query.contiguous(), gate_bias, new, h, beta, alpha,
+                        index, kept, n, N, C, keep, RMS_EPS, COMPETITIVE=competitive, BN=next_pow2(n), BC=next_pow2(C))
+    return new, h, beta, alpha, index, kept
+
+
+@triton_mgr_step.register_fake
+def _(streams, u, gate_query, gate_bias, pool_query, competitive, keep):
+    n, N, C = streams.shape
+    stat = lambda: streams.new_empty((n, N), dtype=torch.float32)
+    return (torch.empty_like(streams), torch.empty_like(u), stat(), stat(),
+            streams.new_empty((keep, N), dtype=torch.int64), streams.new_empty((keep, N, C)))
+
+
+@torch.library.custom_op('resroute::mgr_step_backward', mutates_args=())
+def triton_mgr_step_backward(x: Tensor, u: Tensor, gate_query: Tensor, gate_bias: Tensor, pool_query: Tensor,
+                             beta: Tensor, alpha: Tensor, index: Tensor, kept: Tensor, grad_new: Tensor,
+                             grad_h: Tensor, competitive: bool, invert: bool
+                             ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """mgr_step_backward_torch in Triton."""
+    x, u = x.contiguous(), u.contiguous()
+    n, N, C = x.shape
+    programs = reduction_programs(N)
+    d_s, d_u = torch.empty_like(x), torch.empty_like(u)
+    rebuilt = torch.empty_like(x) if invert else x.new_empty(0)  # only the inversion writes it
+    partial = lambda *shape: torch.empty((programs,) + shape, device=x.device, dtype=torch.float32)
+    d_vg, d_vp, d_b = partial(C), partial(C), partial()
+    _mgr_step_bwd[(programs,)](x, u, gate_query.contiguous(), pool_query.contiguous(), beta, alpha, index,
+                               kept.contiguous(), grad_new.contiguous(), grad_h.contiguous(), d_s, d_u, rebuilt,
+                               d_vg, d_vp, d_b, n, N, C, index.shape[0], RMS_EPS, COMPETITIVE=competitive,
+                               INVERT=invert, BN=next_pow2(n), BC=next_pow2(C))
+    return d_s, d_u, d_vg.sum(0), d_b.sum().reshape(1), d_vp.sum(0), rebuilt
+
+
+@triton_mgr_step_backward.register_fake
+def _(x, u, gate_query, gate_bias, pool_query, beta, alpha, index, kept, grad_new, grad_h, competitive, invert):
+    C = x.shape[-1]
+    return (torch.empty_like(x), torch.empty_like(u), x.new_empty((C,), dtype=torch.float32),
+            x.new_empty((1,), dtype=torch.float32), x.new_empty((C,), dtype=torch.float32),
+            torch.empty_like(x) if invert else x.new_empty(0))
+
+
+class MGRStep(torch.autograd.Function):
+    """One gated MGR sublayer: s_j <- s_j + beta_j (u - s_j), then h = AttnPool(s) for the next
+    sublayer, in one pass. Without a tape it saves its input streams. With a `tape` (a dict shared
+    by the steps of one forward) the backward inverts the lerp instead: only the last step saves its
+    output streams; every step's backward rebuilds its input from its output and leaves it on the
+    tape for the step before (backwards run in reverse order, so each finds its output there)."""
+
+    @staticmethod
+    def forward(ctx, streams, u, gate_query, gate_bias, pool_query, competitive, fallback_p, tape, step, last,
+                backend):
+        keep = min(fallback_p, streams.shape[0]) if tape is not None else 0
+        fused = triton_mgr_step if backend == 'triton' else mgr_step_torch
+        new, h, beta, alpha, index, kept = fused(streams, u, gate_query, gate_bias, pool_query, competitive, keep)
+        streams_kept = [streams] if tape is None else [new] if last else []
+        ctx.save_for_backward(u, gate_query, gate_bias, pool_query, beta, alpha, index, kept, *streams_kept)
+        ctx.competitive, ctx.tape, ctx.step, ctx.backend = competitive, tape, step, backend
+        ctx.mark_non_differentiable(beta, alpha, index, kept)
+        return new, h, beta, alpha, index, kept
+
+    @staticmethod
+    def backward(ctx, grad_new, grad_h, *_):
+        u, gate_query, gate_bias, pool_query, beta, alpha, index, kept, *saved = ctx.saved_tensors
+        invert = ctx.tape is not None
+        if saved:
+            x = saved[0]
+        elif ctx.step in ctx.tape:
+            x = ctx.tape.pop(ctx.step)
+        else:
+            raise RuntimeError("MGR's inverting backward must start at the last step (each step rebuilds its input "
+                               "from the step after); to backpropagate from an inner step use mgr_fallback_p=-1")
+        backward = triton_mgr_step_backward if ctx.backend == 'triton' else mgr_step_backward_torch
+        d_s, d_u, d_gate, d_bias, d_pool, rebuilt = backward(
+            x, u, gate_query, gate_bias, pool_query, beta, alpha, index, kept, grad_new, grad_h,
+            ctx.competitive, invert)
+        if invert:
+            ctx.tape[ctx.step - 1] = rebuilt.to(x.dtype)
+        return (d_s, d_u, d_gate.to(gate_query.dtype), d_bias.to(gate_bias.dtype), d_pool.to(pool_query.dtype),
+                None, None, None, None, None, None)
+
+
+def mgr_step(streams, u, gate_query, gate_bias, pool_query, competitive, fallback_p, tape, step, last, backend):
+    """Fused MGR step -> (new streams (n, B, T, C), h (B, T, C)); see MGRStep."""
+    n, shape = streams.shape[0], u.shape
+    new, h, *_ = MGRStep.apply(streams.reshape(n, -1, shape[-1]), u.reshape(-1, shape[-1]), gate_query,
+                               gate_bias.reshape(1), pool_query, competitive, fallback_p, tape, step, last, backend)
+    return new.view(n, *shape), h.view(shape)
