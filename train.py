@@ -307,7 +307,8 @@ def main(argv):
             torch.distributed.barrier()
         if ckpt is not None:
             model.load_state_dict(ckpt['model'])
-        model.set_kernels(resolve_kernels(cfg['kernels'], device.type), cfg['mgr_fallback_p'])
+        kernels_used = resolve_kernels(cfg['kernels'], device.type)
+        model.set_kernels(kernels_used, cfg['mgr_fallback_p'])
     except (data.DataError, ValueError, RuntimeError) as e:
         sys.exit(f"error: {e}")
     if master:
@@ -346,7 +347,8 @@ def main(argv):
               f"over the {len(train_tokens):,}-token train split", file=sys.stderr)
     if master:
         print(f"{cfg['residual']}: {raw_model.get_num_params() / 1e6:.3f}M parameters, {cfg['dataset']} "
-              f"(vocab {ds.vocab_size}), {tokens_per_iter:,} tokens/step, {world} process(es) on {device} {dtype}")
+              f"(vocab {ds.vocab_size}), {tokens_per_iter:,} tokens/step, {world} process(es) on {device} {dtype}, "
+              f"kernels {kernels_used}")
     log({'event': 'resume' if resumed_from >= 0 else 'start', 'iter': iter_num, 'config': cfg})
     def stop_nonfinite(what, value):
         bar.close()
