@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from kernels import KERNELS, resolve as resolve_kernels
+from kernels import resolve as resolve_kernels
 from model import GPT, GPTConfig
 from residuals import RESIDUALS
 from train import apply_override, module_config, precision, resolve_device

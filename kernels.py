@@ -17,6 +17,7 @@ s = (s' - beta u) / (1 - beta), so the chain of steps keeps one set of streams i
 sublayer; the originals of the p largest gates per token are stored, as the inversion divides by
 1 - beta (`mgr_fallback_p` = p).
 """
+import functools
 import os
 from typing import List, Tuple
 
@@ -124,11 +125,13 @@ def _address_table(tensors):
 
 def triton_depth_mix(queries, bias, sources):
     """DepthMix (residuals.py) in Triton: queries (m, C), bias (m, S) or None, a list of S sources
-    (B, T, C) -> mixed (m, B, T, C) in the sources' dtype, lse (m, B, T) float32. A missing bias
-    is passed as zeros (m * S numbers), which keeps one kernel."""
+    (B, T, C) -> mixed (m, B, T, C), lse (m, B, T) float32. The kernel reads every source through
+    one pointer type, so sources of mixed dtypes (under autocast: e float32, updates bfloat16) are
+    promoted first, as torch.stack does; mixed has that dtype. A missing bias is passed as zeros."""
+    dtype = functools.reduce(torch.promote_types, [v.dtype for v in sources])
     if bias is None:
         bias = queries.new_zeros((queries.shape[0], len(sources)), dtype=torch.float32)
-    return _triton_depth_mix(queries, bias, list(sources))
+    return _triton_depth_mix(queries, bias, [v.to(dtype) for v in sources])
 
 
 @torch.library.custom_op('resroute::depth_mix', mutates_args=())

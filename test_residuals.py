@@ -480,6 +480,19 @@ def test_depth_mix_kernel_equals_its_reference(S, m, C, T, with_bias, few_progra
         assert a.dtype == torch.float32 and rel_rms(a, b) <= 1e-5, name
 
 
+@needs_triton
+def test_depth_mix_kernel_promotes_sources_of_mixed_dtypes():
+    """Under autocast a pool mixes dtypes (e float32, updates bfloat16); the kernel reads one
+    pointer type, so it must promote as DepthMix's stack does (here: float32 and float64)."""
+    from residuals import DepthMix
+    gen = torch.Generator().manual_seed(0)
+    sources = [torch.randn(1, 3, 10, generator=gen) for _ in range(3)]
+    queries = torch.randn(2, 10, generator=gen)
+    mixed = kernels.triton_depth_mix(queries, None, [sources[0].double()] + sources[1:])[0]
+    assert mixed.dtype == torch.float64
+    assert rel_rms(mixed, DepthMix.apply(queries.double(), None, *[v.double() for v in sources])[0]) <= 1e-6
+
+
 def mgr_run(n, C, T, gate, backend, fallback_p, dtype, seed=0):
     """An MGR residual over 2n+2 random tanh sublayers with randomised routing: output and the
     gradients of e and of every routing parameter."""
