@@ -1,11 +1,12 @@
 """
 Fused kernels (optional): depth mixing for the AttnRes family and WAV, and one fused MGR step.
 
-Each kernel has a plain-PyTorch twin that computes the same thing and is the default; the
-Triton versions run on CUDA, or on CPU tensors through Triton's interpreter when TRITON_INTERPRET=1
-is set before triton is imported (that is how the tests check them). Choose with `--kernels`:
-`auto` = Triton on CUDA when it imports, else torch. The Triton launches are wrapped as
-torch.library custom ops, so torch.compile treats them as single opaque nodes (no graph break).
+Each kernel has a PyTorch twin that computes the same thing and is the default (depth mixing:
+DepthMix in residuals.py; the MGR step: mgr_step_torch below). The Triton versions run on CUDA,
+or on CPU tensors through Triton's interpreter when TRITON_INTERPRET=1 is set before triton is
+imported (that is how the tests check them). Choose with `--kernels`: `auto` = Triton on CUDA
+when it imports, else torch. The Triton launches are wrapped as torch.library custom ops, so
+torch.compile treats them as single opaque nodes (no graph break).
 
 depth_mix: m queries read a list of S sources (B, T, C), one program per token: each source is
 read once in the forward (RMS, dots with every query and an online softmax in one pass) and once
@@ -66,7 +67,8 @@ if triton is not None:
         t = tl.program_id(0).to(tl.int64)
         rows, cols = tl.arange(0, BM), tl.arange(0, BC)
         rmask, cmask = rows < M, cols < C
-        q = tl.load(Q + rows[:, None] * C + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.).to(tl.float32)
+        mask = rmask[:, None] & cmask[None, :]
+        q = tl.load(Q + rows[:, None] * C + cols[None, :], mask=mask, other=0.).to(tl.float32)
         run_max = tl.full((BM,), float('-inf'), tl.float32)
         run_sum = tl.zeros((BM,), tl.float32)
         acc = tl.zeros((BM, BC), tl.float32)
@@ -80,8 +82,8 @@ if triton is not None:
             run_sum = run_sum * old + p
             acc = acc * old[:, None] + p[:, None] * v[None, :]
             run_max = new_max
-        mask = rmask[:, None] & cmask[None, :]
-        tl.store(OUT + rows[:, None] * N * C + t * C + cols[None, :], (acc / run_sum[:, None]).to(OUT.dtype.element_ty), mask=mask)
+        mixed = acc / run_sum[:, None]
+        tl.store(OUT + rows[:, None] * N * C + t * C + cols[None, :], mixed.to(OUT.dtype.element_ty), mask=mask)
         tl.store(LSE + rows * N + t, run_max + tl.log(run_sum), mask=rmask)
 
     @triton.jit
