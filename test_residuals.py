@@ -14,13 +14,15 @@ import sys
 import time
 from pathlib import Path
 
-# the Triton kernels run on CPU tensors through Triton's interpreter, which must be chosen before
-# triton is imported (kernels.py imports it)
-os.environ.setdefault('TRITON_INTERPRET', '1')
-
 import numpy as np
 import pytest
 import torch
+
+# The Triton kernels' tests run them compiled on CUDA tensors where there is a GPU; without one,
+# on CPU tensors through Triton's interpreter, chosen before triton is imported (by kernels.py).
+KERNEL_DEVICE = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
+if KERNEL_DEVICE.type == 'cpu':
+    os.environ.setdefault('TRITON_INTERPRET', '1')
 
 import data
 import kernels
@@ -456,7 +458,7 @@ def few_programs(monkeypatch):
 @pytest.mark.parametrize('S,m,C,T,with_bias', [(1, 1, 7, 3, False), (2, 1, 20, 5, True), (13, 3, 48, 7, True),
                                                (40, 2, 33, 5, False), (40, 6, 100, 3, True), (2, 2, 24, 1, True)])
 def test_depth_mix_kernel_equals_its_reference(S, m, C, T, with_bias, few_programs):
-    """The Triton depth_mix (interpreted, float32) against DepthMix, the PyTorch reference, run in
+    """The Triton depth_mix (float32; interpreted on CPU) against DepthMix, the PyTorch reference, run in
     float64 on the same inputs: mixed, lse and the gradients of the queries, the bias and the
     sources (all S as one tensor) within relative RMS 1e-5. (The float32 reference is itself up to
     ~1e-5 from float64 on single sources, so float64 is the oracle.)"""
@@ -468,10 +470,11 @@ def test_depth_mix_kernel_equals_its_reference(S, m, C, T, with_bias, few_progra
     grad_mixed, grad_lse = torch.randn(m, 2, T, C, generator=gen), torch.randn(m, 2, T, generator=gen)
 
     def run(mix, dtype):
-        q, *srcs = [t.to(dtype).requires_grad_() for t in [queries] + sources]
-        b = bias.to(dtype).requires_grad_() if with_bias else None
+        q, *srcs = [t.to(KERNEL_DEVICE, dtype).requires_grad_() for t in [queries] + sources]
+        b = bias.to(KERNEL_DEVICE, dtype).requires_grad_() if with_bias else None
         mixed, lse = mix(q, b, srcs)[:2]
-        grads = torch.autograd.grad((mixed * grad_mixed.to(dtype)).sum() + (lse * grad_lse.to(dtype)).sum(),
+        grads = torch.autograd.grad((mixed * grad_mixed.to(KERNEL_DEVICE, dtype)).sum()
+                                    + (lse * grad_lse.to(KERNEL_DEVICE, dtype)).sum(),
                                     [q] + ([b] if with_bias else []) + srcs)
         return [mixed, lse, grads[0]] + ([grads[1]] if with_bias else []) + [torch.stack(grads[-S:])]
     got = run(kernels.triton_depth_mix, torch.float32)
@@ -486,8 +489,8 @@ def test_depth_mix_kernel_promotes_sources_of_mixed_dtypes():
     pointer type, so it must promote as DepthMix's stack does (here: float32 and float64)."""
     from residuals import DepthMix
     gen = torch.Generator().manual_seed(0)
-    sources = [torch.randn(1, 3, 10, generator=gen) for _ in range(3)]
-    queries = torch.randn(2, 10, generator=gen)
+    sources = [torch.randn(1, 3, 10, generator=gen).to(KERNEL_DEVICE) for _ in range(3)]
+    queries = torch.randn(2, 10, generator=gen).to(KERNEL_DEVICE)
     mixed = kernels.triton_depth_mix(queries, None, [sources[0].double()] + sources[1:])[0]
     assert mixed.dtype == torch.float64
     assert rel_rms(mixed, DepthMix.apply(queries.double(), None, *[v.double() for v in sources])[0]) <= 1e-6
@@ -499,11 +502,11 @@ def mgr_run(n, C, T, gate, backend, fallback_p, dtype, seed=0):
     gen = torch.Generator().manual_seed(seed)
     router = routing('mgr', n + 1, C=C, n_head=1, mgr_streams=n, mgr_gate=gate)
     randomize_routing(router, seed)
-    router.to(dtype).kernels, router.fallback_p = backend, fallback_p
-    weights = [torch.randn(C, C, generator=gen).to(dtype) * C ** -0.5 for _ in range(2 * n + 2)]
-    e = torch.randn(2, T, C, generator=gen).to(dtype).requires_grad_()
+    router.to(KERNEL_DEVICE, dtype).kernels, router.fallback_p = backend, fallback_p
+    weights = [torch.randn(C, C, generator=gen).to(KERNEL_DEVICE, dtype) * C ** -0.5 for _ in range(2 * n + 2)]
+    e = torch.randn(2, T, C, generator=gen).to(KERNEL_DEVICE, dtype).requires_grad_()
     out = router(e, [lambda h, w=w: 3 * torch.tanh(h @ w) for w in weights])
-    grads = torch.autograd.grad((out * torch.randn(out.shape, generator=gen).to(dtype)).sum(),
+    grads = torch.autograd.grad((out * torch.randn(out.shape, generator=gen).to(KERNEL_DEVICE, dtype)).sum(),
                                 [e] + list(router.parameters()))
     return [out, *grads]
 
@@ -513,7 +516,7 @@ def mgr_run(n, C, T, gate, backend, fallback_p, dtype, seed=0):
                                           (4, 33, 5, 'competitive', 1), (4, 48, 3, 'independent', 2),
                                           (5, 40, 3, 'competitive', 5)])
 def test_mgr_step_kernel_and_inversion_equal_the_plain_backward(n, C, T, gate, p, few_programs):
-    """MGR through the fused step, Triton (interpreted) and its PyTorch twin, with the inverting
+    """MGR through the fused step, Triton and its PyTorch twin, with the inverting
     backward (the p largest gates kept) and without, against the plain-autograd MGR in float64:
     the output and every gradient within relative RMS 1e-5."""
     want = mgr_run(n, C, T, gate, 'torch', -1, torch.float64)
@@ -537,11 +540,14 @@ def test_mgr_fallback_keeps_the_streams_the_inversion_cannot_rebuild(backend, fe
         with torch.no_grad():
             router.gate_bias.fill_(-30.0)  # the keep logit: gates sum to 1
             router.gate_queries.mul_(200.0)  # one stream wins the gate at every token
-        router.to(dtype).kernels, router.fallback_p = backend if fallback_p >= 0 else 'torch', fallback_p
-        e = torch.randn(2, 5, 24, generator=gen).to(dtype).requires_grad_()
-        updates = [(torch.randn(2, 5, 24, generator=gen) * 3).to(dtype).requires_grad_() for _ in range(8)]
+        router.to(KERNEL_DEVICE, dtype).kernels = backend if fallback_p >= 0 else 'torch'
+        router.fallback_p = fallback_p
+        e = torch.randn(2, 5, 24, generator=gen).to(KERNEL_DEVICE, dtype).requires_grad_()
+        updates = [(torch.randn(2, 5, 24, generator=gen) * 3).to(KERNEL_DEVICE, dtype).requires_grad_()
+                   for _ in range(8)]
         out = router(e, fake_sublayers(updates, []))
-        return torch.autograd.grad((out * torch.randn(out.shape, generator=gen).to(dtype)).sum(), [e] + updates)
+        gout = torch.randn(out.shape, generator=gen).to(KERNEL_DEVICE, dtype)
+        return torch.autograd.grad((out * gout).sum(), [e] + updates)
     want = run(-1, torch.float64)
     error = lambda fallback_p: max(rel_rms(a, b) for a, b in zip(run(fallback_p, torch.float32), want))
     assert error(1) <= error(-1) + 1e-5
@@ -587,16 +593,17 @@ def test_mgr_inverting_backward_runs_twice_and_refuses_to_start_at_an_inner_step
 @needs_triton
 @pytest.mark.parametrize('residual', ['block_attnres', 'wav', 'mgr'])
 def test_training_with_kernels_on_and_off_gives_the_same_losses(residual, data_dir):
-    """A few AdamW steps on real text with the Triton kernels (interpreted) and with plain PyTorch
+    """A few AdamW steps on real text with the Triton kernels and with plain PyTorch
     (for mgr: the plain backward, no inversion): the same losses within 1e-4."""
     ds = data.load(REAL_TEXT, data_dir)
-    text = torch.from_numpy(ds.splits['train'][:8192].astype(np.int64))
+    text = torch.from_numpy(ds.splits['train'][:8192].astype(np.int64)).to(KERNEL_DEVICE)
     starts = torch.randint(len(text) - 9, (4, 2), generator=torch.Generator().manual_seed(0))
     losses = {}
     for backend, fallback_p in [('torch', -1), ('triton', 1)]:
-        model = tiny_model(residual, n_layer=3, n_embd=24, block_size=8, vocab_size=ds.vocab_size, res_block_size=2)
+        model = tiny_model(residual, n_layer=3, n_embd=24, block_size=8, vocab_size=ds.vocab_size,
+                           res_block_size=2).to(KERNEL_DEVICE)
         model.set_kernels(backend, fallback_p)
-        optimizer = model.configure_optimizers(0.1, 1e-2, (0.9, 0.99), 'cpu')
+        optimizer = model.configure_optimizers(0.1, 1e-2, (0.9, 0.99), KERNEL_DEVICE.type)
         losses[backend] = []
         for batch in starts:
             x = torch.stack([text[s:s + 8] for s in batch])
@@ -618,8 +625,8 @@ def test_kernels_compile_without_graph_breaks(residual):
     and gradients."""
     model = tiny_model(residual, n_layer=2, n_embd=24, block_size=8)
     randomize_routing(model)
-    model.set_kernels('triton')
-    idx = torch.randint(27, (2, 7), generator=torch.Generator().manual_seed(0))
+    model.to(KERNEL_DEVICE).set_kernels('triton')
+    idx = torch.randint(27, (2, 7), generator=torch.Generator().manual_seed(0)).to(KERNEL_DEVICE)
     grads = []
     for run in (model, torch.compile(model, fullgraph=True, backend='aot_eager')):
         _, loss = run(idx, idx)
@@ -630,11 +637,36 @@ def test_kernels_compile_without_graph_breaks(residual):
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads[0][1], grads[1][1]))
 
 
+@needs_triton
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='bfloat16 needs the compiled kernels on CUDA '
+                    '(the interpreter has no bf16 arithmetic)')
+@pytest.mark.parametrize('residual', ['block_attnres', 'wav', 'mgr'])
+def test_kernels_under_bfloat16_autocast_match_torch(residual):
+    """Under autocast the kernels see what training gives them: a float32 embedding beside
+    bfloat16 updates, float32 queries. Loss within 1e-2 and gradients (all parameters together)
+    within relative RMS 5e-2 of the PyTorch path on the same model and batch."""
+    model = tiny_model(residual, n_layer=3, n_embd=64, block_size=32, res_block_size=2).to(KERNEL_DEVICE)
+    randomize_routing(model)
+    idx = torch.randint(27, (4, 32), generator=torch.Generator().manual_seed(0)).to(KERNEL_DEVICE)
+    results = []
+    for backend in ('torch', 'triton'):
+        model.set_kernels(backend)
+        with torch.autocast(device_type='cuda', dtype=torch.bfloat16):
+            _, loss = model(idx, idx)
+        loss.backward()
+        results.append((loss.item(), torch.cat([p.grad.flatten() for p in model.parameters()])))
+        model.zero_grad()
+    (loss_torch, grads_torch), (loss_triton, grads_triton) = results
+    assert abs(loss_triton - loss_torch) <= 1e-2 * abs(loss_torch)
+    assert rel_rms(grads_triton, grads_torch) <= 5e-2
+
+
 def test_kernels_knob_errors_are_clear():
     assert kernels.resolve('auto', 'cpu') == 'torch' and kernels.resolve('torch', 'cuda') == 'torch'
     with pytest.raises(ValueError, match='choose one of: auto, torch, triton'):
         kernels.resolve('cuda', 'cpu')
-    result = run_cli('train.py', '--kernels=triton', '--max_iters=1', env={**os.environ, 'TRITON_INTERPRET': '0'})
+    result = run_cli('train.py', '--kernels=triton', '--device=cpu', '--max_iters=1',
+                     env={**os.environ, 'TRITON_INTERPRET': '0'})
     assert result.returncode != 0 and 'Traceback' not in result.stderr
     wanted = 'set TRITON_INTERPRET=1' if kernels.triton is not None else 'pip install triton'
     assert 'error: kernels=triton' in result.stderr and wanted in result.stderr
