@@ -181,8 +181,11 @@ class DepthRouter(nn.Module):
                          is_detail=is_detail)
 
     def mix_many(self, first, n, sources, bias=None):
-        """Phase 1: queries first..first+n-1 against the same sources, in one pass over them."""
-        return self.depth_mix(self.queries[first:first + n], bias, sources)
+        """Phase 1: queries first..first+n-1 against the same sources, in one pass over them.
+        Returns mixed and lse as tuples of n rows (unbound once: indexing row k of the whole tensor
+        would give every row's backward a zero gradient of the whole size), and the weights."""
+        mixed, lse, weights = self.depth_mix(self.queries[first:first + n], bias, sources)
+        return mixed.unbind(0), lse.unbind(0), weights
 
     def read(self, i, done, k, more=(), more_bias=None, is_detail=None):
         """Phase 2: row k of a mix_many result for query i, merged by an online softmax with
@@ -190,8 +193,8 @@ class DepthRouter(nn.Module):
         sources that are WAV details, for the recording only."""
         mixed, lse, weights = (None if t is None else t[k] for t in done)
         if more:
-            more_mixed, more_lse, more_weights = (None if t is None else t[0] for t in self.depth_mix(
-                self.queries[i:i + 1], None if more_bias is None else more_bias[None], more))
+            more_mixed, more_lse, more_weights = (None if t is None else t[0] for t in self.mix_many(
+                i, 1, more, None if more_bias is None else more_bias[None]))
             total = torch.logaddexp(lse, more_lse)
             old, new = torch.exp(lse - total), torch.exp(more_lse - total)
             mixed = old.unsqueeze(-1).to(mixed.dtype) * mixed + new.unsqueeze(-1).to(mixed.dtype) * more_mixed
@@ -308,7 +311,7 @@ class WAV(BlockAttnRes):
             coeffs = self.basis(m)
             # phase 1: every query of the block reads the finished pool in one pass
             finished = self.mix_many(start, m, sources, self.pool_bias(slice(start, start + m), kinds))
-            partial = details = None  # PC and the raw partial details P (n_details, B, T, C)
+            partial = details = None  # PC and the raw partial details P_d, a list: one per detail row
             for k in range(m):
                 i = start + k
                 more, more_kinds = [], []
@@ -320,8 +323,8 @@ class WAV(BlockAttnRes):
                               is_detail=[kind >= 0 for kind in kinds + more_kinds])
                 u = sublayers[i](h)
                 partial = u if partial is None else partial + u
-                contribution = coeffs[:, k, None, None, None].to(u.dtype) * u
-                details = contribution if details is None else details + contribution
+                terms = [coeffs[d, k].to(u.dtype) * u for d in range(len(signs))]
+                details = terms if details is None else [p + t for p, t in zip(details, terms)]
             rows = [d for d in range(len(signs)) if any(signs[d])]
             sources = sources + [partial] + [rms_match(details[d], partial, self.rho) for d in rows]
             kinds = kinds + [-1] + rows
