@@ -207,13 +207,21 @@ class DepthRouter(nn.Module):
 
 
 class AttnRes(DepthRouter):
-    """Full AttnRes: h_i = sum_s alpha_{s->i} v_s over {e, u_0..u_{i-1}} (Kimi Team, arXiv 2603.15031)."""
+    """Full AttnRes: h_i = sum_s alpha_{s->i} v_s over {e, u_0..u_{i-1}} (Kimi Team, arXiv 2603.15031).
+    Computed in chunks of about sqrt(L) sublayers, as Block AttnRes is (the same maths, far fewer
+    reads): the chunk's queries read the finished sources in one pass, and each merges the chunk's
+    own fresh updates by an online softmax."""
 
     def forward(self, x, sublayers):
-        sources = [x]  # e, u_0, u_1, ...
-        for i, f in enumerate(sublayers):
-            sources.append(f(self.mix(i, sources)))
-        return self.mix(len(sublayers), sources)
+        L, sources = len(sublayers), [x]  # e, u_0, u_1, ...
+        chunk = max(1, math.isqrt(L))
+        for start in range(0, L, chunk):
+            m = min(chunk, L - start)
+            finished, fresh = self.mix_many(start, m, sources), []
+            for k in range(m):
+                fresh.append(sublayers[start + k](self.read(start + k, finished, k, fresh)))
+            sources = sources + fresh
+        return self.mix(L, sources)
 
 
 class BlockAttnRes(DepthRouter):
@@ -248,11 +256,17 @@ class DeltaAttnRes(DepthRouter):
         self.gate_logit = nn.Parameter(torch.full((2 * config.n_layer,), -2.0))  # our choice of gate mode
 
     def forward(self, x, sublayers):
-        deltas = [x]  # e, u_0, u_1, ...
-        for i, f in enumerate(sublayers):
-            u = f(x + torch.sigmoid(self.gate_logit[i]) * self.mix(i, deltas))
-            x = x + u
-            deltas.append(u)
+        L, deltas = len(sublayers), [x]  # e, u_0, u_1, ...
+        chunk = max(1, math.isqrt(L))  # read in chunks, as in AttnRes
+        for start in range(0, L, chunk):
+            m = min(chunk, L - start)
+            finished, fresh = self.mix_many(start, m, deltas), []
+            for k in range(m):
+                i = start + k
+                u = sublayers[i](x + torch.sigmoid(self.gate_logit[i]) * self.read(i, finished, k, fresh))
+                x = x + u
+                fresh.append(u)
+            deltas = deltas + fresh
         return x
 
 

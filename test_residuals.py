@@ -203,6 +203,34 @@ def test_full_and_delta_attnres_at_init():
     assert torch.allclose(out, e + sum(u), atol=1e-6)
 
 
+@pytest.mark.parametrize('residual', ['attnres', 'delta_attnres'])
+@pytest.mark.parametrize('n_layer', [1, 2, 5, 13])
+def test_full_and_delta_attnres_chunked_reads_equal_one_softmax_over_all_sources(residual, n_layer):
+    """Full and Delta AttnRes read in chunks of sqrt(L) sublayers with an online softmax merge;
+    with random queries and gates that must equal one plain softmax per sublayer over all its
+    sources (the depth_mix reference), L = 2, 4, 10 and 26 (chunks of 1, 2, 3 and 5, the last short)."""
+    from residuals import depth_mix
+    gen = torch.Generator().manual_seed(n_layer)
+    L = 2 * n_layer
+    e, *u = [torch.randn(2, 3, 16, generator=gen) for _ in range(L + 1)]
+    router = routing(residual, n_layer)
+    randomize_routing(router)
+    inputs = []
+    out = router(e, fake_sublayers(u, inputs))
+    sources, x = [e], e
+    for i in range(L):
+        read = depth_mix(torch.stack(sources), router.queries[i])[0]
+        if residual == 'attnres':
+            want = read
+        else:
+            want = x + torch.sigmoid(router.gate_logit[i]) * read
+            x = x + u[i]
+        assert torch.allclose(inputs[i], want, atol=1e-5), i
+        sources.append(u[i])
+    want_out = depth_mix(torch.stack(sources), router.queries[L])[0] if residual == 'attnres' else x
+    assert torch.allclose(out, want_out, atol=1e-5)
+
+
 @pytest.mark.parametrize('n_layer,block,knobs', [(4, 1, {}), (5, 2, {}), (7, 4, {}),
                                                  (6, 2, {'wav_levels': 2}), (6, 2, {'wav_learned_basis': True})])
 def test_wav_with_very_negative_detail_bias_equals_block_attnres(n_layer, block, knobs):
