@@ -111,8 +111,9 @@ class DepthMix(torch.autograd.Function):
     queries (m, C), bias (m, S) or None -> mixed (m, B, T, C), lse (m, B, T), weights (m, S, B, T).
     lse_j = logsumexp_s l_js lets a caller merge more sources later with an online softmax (the
     AttnRes paper's two-phase computation: all queries of a block read the finished blocks in one
-    pass). It works one source at a time and saves per-token statistics and references to the
-    sources, never a stacked copy (with plain autograd, Full AttnRes would keep an (S, B, T, C)
+    pass). It works one source at a time and saves per-token statistics (1/RMS per source, lse per
+    query: the weights are recomputed in the backward) and references to the sources, never a
+    stacked copy (with plain autograd, Full AttnRes would keep an (S, B, T, C)
     stack per sublayer: L^2 memory; on CPU, passes over such stacks also cost 3x the time).
     With r_s = 1/RMS(v_s), l_js = r_s v_s.q_j + b_js, w = softmax_s(l), out_j = sum_s w_js v_s and
     g_j, h_j the gradients of out_j and lse_j: dl_js = w_js (g_j.v_s - g_j.out_j + h_j), and
@@ -120,23 +121,29 @@ class DepthMix(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, queries, bias, *sources):
-        q, values = upcast(queries), [upcast(v) for v in sources]
+        values = [upcast(v) for v in sources]
         rinv = torch.stack([torch.rsqrt(v.pow(2).mean(-1) + RMS_EPS) for v in values])  # r_s (S, B, T)
-        scores = rinv * torch.stack([v @ q.T for v in values]).permute(3, 0, 1, 2)  # q_j . RMSNorm(v_s)
-        logits = scores if bias is None else scores + upcast(bias)[:, :, None, None]
+        scores, logits = DepthMix.logits(queries, bias, values, rinv)
         lse = torch.logsumexp(logits, dim=1)
         weights = torch.exp(logits - lse.unsqueeze(1))
         mixed = weighted_sum(weights, values).to(sources[0].dtype)
-        ctx.save_for_backward(queries, weights, rinv, scores, *sources)
-        ctx.has_bias = bias is not None
+        ctx.save_for_backward(queries, bias, rinv, lse, *sources)
         ctx.mark_non_differentiable(weights)
         return mixed, lse, weights
 
     @staticmethod
+    def logits(queries, bias, values, rinv):
+        """The scores q_j . RMSNorm(v_s) and the logits (scores + bias), both (m, S, B, T)."""
+        scores = rinv * torch.stack([v @ upcast(queries).T for v in values]).permute(3, 0, 1, 2)
+        return scores, scores if bias is None else scores + upcast(bias)[:, :, None, None]
+
+    @staticmethod
     def backward(ctx, grad_mixed, grad_lse, _):
-        queries, weights, rinv, scores, *sources = ctx.saved_tensors
+        queries, bias, rinv, lse, *sources = ctx.saved_tensors
         g, q, values = upcast(grad_mixed), upcast(queries), [upcast(v) for v in sources]
         m, C = q.shape
+        scores, logits = DepthMix.logits(queries, bias, values, rinv)
+        weights = torch.exp(logits - lse.unsqueeze(1))
         grad_weights = torch.stack([torch.einsum('btc,mbtc->mbt', v, g) for v in values], dim=1)  # g_j . v_s
         grad_logits = weights * (grad_weights - (weights * grad_weights).sum(1, keepdim=True)
                                  + grad_lse.unsqueeze(1))
@@ -150,7 +157,7 @@ class DepthMix(torch.autograd.Function):
             grad.view(-1, C).addmm_(scaled[:, s].reshape(m, -1).T, q)
             grad_queries.addmm_(scaled[:, s].reshape(m, -1), v.reshape(-1, C))
             grad_values.append(grad.to(sources[s].dtype))
-        grad_bias = grad_logits.sum(dim=(2, 3)) if ctx.has_bias else None
+        grad_bias = grad_logits.sum(dim=(2, 3)) if bias is not None else None
         return (grad_queries.to(queries.dtype), grad_bias, *grad_values)
 
 
