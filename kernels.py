@@ -213,7 +213,7 @@ def mgr_step_torch(streams, u, gate_query, gate_bias, pool_query, competitive, k
     beta = _gates(_rms_dot(s, gate_query.float())[1], gate_bias.float(), competitive)
     new = s + beta.unsqueeze(-1) * (u32 - s)
     alpha = torch.softmax(_rms_dot(new, pool_query.float())[1], dim=0)
-    h = torch.einsum('nt,ntc->tc', alpha, new)
+    h = (alpha.unsqueeze(-1) * new).sum(0)  # (einsum would run one tiny matmul per token on CPU)
     index = beta.topk(keep, dim=0).indices
     kept = streams.gather(0, index.unsqueeze(-1).expand(-1, -1, streams.shape[-1]))
     return new.to(streams.dtype), h.to(u.dtype), beta, alpha, index, kept
@@ -236,7 +236,7 @@ def mgr_step_backward_torch(x, u, gate_query, gate_bias, pool_query, beta, alpha
     C = x.shape[-1]
     # AttnPool: h = sum_j alpha_j s'_j, alpha = softmax(r'_j s'_j.w)
     r2, y = _rms_dot(new, pool_query.float())
-    g_alpha = torch.einsum('ntc,tc->nt', new, grad_h.float())
+    g_alpha = (new * grad_h.float()).sum(-1)
     dy = alpha * (g_alpha - (alpha * g_alpha).sum(0))
     d_new = (grad_new.float() + alpha.unsqueeze(-1) * grad_h.float()
              + (dy * r2).unsqueeze(-1) * pool_query.float() - (dy * r2 * r2 * y / C).unsqueeze(-1) * new)

@@ -92,7 +92,7 @@ def depth_mix(sources, query, bias=None):
     if bias is not None:
         logits = logits + upcast(bias)[:, None, None]
     weights = logits.softmax(dim=0)
-    return torch.einsum('sbt,sbtc->btc', weights, values).to(sources.dtype), weights
+    return (weights.unsqueeze(-1) * values).sum(0).to(sources.dtype), weights
 
 
 def weighted_sum(weights, values):
