@@ -69,7 +69,7 @@ class LayerScale(nn.Module):
 
 # ----------------------------------------------------------------------------- Attention Residuals
 
-RMS_EPS = 1e-6
+RMS_EPS = kernels.RMS_EPS  # 1e-6: one value for the PyTorch code and the kernels
 
 
 def upcast(x):
@@ -134,7 +134,8 @@ class DepthMix(torch.autograd.Function):
     @staticmethod
     def logits(queries, bias, values, rinv):
         """The scores q_j . RMSNorm(v_s) and the logits (scores + bias), both (m, S, B, T)."""
-        scores = rinv * torch.stack([v @ upcast(queries).T for v in values]).permute(3, 0, 1, 2)
+        q = upcast(queries).T
+        scores = rinv * torch.stack([v @ q for v in values]).permute(3, 0, 1, 2)
         return scores, scores if bias is None else scores + upcast(bias)[:, :, None, None]
 
     @staticmethod
