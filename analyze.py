@@ -3,16 +3,26 @@ The papers' diagnostics for trained checkpoints, as PNG plots and one JSON of th
 
     python analyze.py --out_dir=out-prenorm,out-wav,out-mgr --report_dir=analysis
 
-For each checkpoint, on a fixed batch of its validation split:
+For each checkpoint, on a fixed batch of its validation split (the model runs its reference path,
+--kernels=reference, watched by PyTorch forward hooks; nothing in the model is replaced):
 - activations: RMS and max-abs of every sublayer's input (before its own pre-norm), per sublayer:
-  the "massive activations" that grow with depth under PreNorm;
-- routing (AttnRes family, WAV): the mean softmax weight each query puts on each source, and for
-  WAV the total weight on detail sources per query;
-- streams (hc, mhc_lite, mgr): the mean pairwise angular distance between streams after each
-  sublayer (0 = identical directions, 1 = opposite);
+  the hidden state that grows with depth under PreNorm (the AttnRes papers' motivation);
+- routing (AttnRes family, WAV): the mean softmax weight of each reader on each source, and for
+  WAV the total weight on detail sources per reader;
+- streams (hc, mhc_lite, mgr): the mean pairwise angular distance between the streams each
+  sublayer reads (0 = identical directions, 1 = opposite);
+- composite gain (hc, mhc_lite): the product of the stream-mixing matrices of sublayers 0..l, per
+  token; its largest absolute row sum (forward gain) and column sum (backward gain), the worst token,
+  for every depth l (the mHC paper's measure: 1 for doubly stochastic mixing);
+- gates (mgr): the mean gate beta of every stream at every gated sublayer;
 - pruning: the validation-loss increase when one transformer layer's updates are skipped (both of
   its sublayers return zero), for every layer.
 Plots need matplotlib (optional); without it only analysis.json is written.
+
+How it watches: each routing computation of residuals.py is a call of a small submodule (a
+DepthAttention read, HC's connections, mHC-lite's coefficients, MGR's AttnPool and gates), so a
+forward hook sees its inputs and outputs; a depth read's weights are recomputed from its inputs
+with DepthAttention.weights.
 """
 import json
 import math
@@ -21,9 +31,10 @@ import sys
 
 import torch
 
+import configurator
 import data
-from model import GPT, GPTConfig
-from train import CheckpointError, apply_override, evaluate, get_batch, load_checkpoint, module_config
+from model import GPT, CheckpointError, load_checkpoint
+from residuals import DepthAttention
 
 out_dir = 'out'  # one run folder, or several separated by commas
 ckpt_name = 'ckpt.pt'
@@ -32,26 +43,54 @@ batch_size = 8  # sequences in the fixed batch for activations, routing and stre
 eval_tokens = 16384  # validation tokens per pruning evaluation (the first ones of the val split)
 
 
-def sublayer_inputs(model, idx):
-    """Forward idx, recording each sublayer's input; also returns the residual's recordings."""
-    inputs, residual = [], model.residual
-    sublayers = GPT.sublayers(model)
+def record(model, idx):
+    """One forward of idx through the reference path, watched by forward hooks. Returns every
+    sublayer's input and, per routing submodule call in order: the depth reads (reader index, mean
+    weights per source, number of detail sources), the streams each sublayer reads (n, B, T, C),
+    the stream-mixing matrices (hc: A_r^T, mhc_lite: H_res; (B, T, n, n)) and MGR's gates (n, B, T)."""
+    rec = {'inputs': [], 'reads': [], 'streams': [], 'mixing': [], 'gates': []}
+    residual, hooks = model.residual, []
 
-    def watch(f):
-        def watched(h):
-            inputs.append(h.detach())
-            return f(h)
-        return watched
-    model.sublayers = lambda: [watch(f) for f in sublayers]
-    recorded = residual.recorded = [] if hasattr(residual, 'recorded') else None
+    def on_read(module, args, kwargs, output):
+        i, sources, *rest = args
+        if module is getattr(residual, 'pool', None):  # MGR's AttnPool reads the streams
+            if i < model.config.n_layer * 2:
+                rec['streams'].append(sources.detach())
+            return
+        weights = module.weights(*args, **kwargs).mean(dim=(1, 2)).tolist()
+        rec['reads'].append({'reader': i, 'weights': weights, 'details': len(kwargs.get('details', rest[0] if rest else ()))})
+
+    def on_connections(module, args, output):  # hc: [A_m | A_r], B; the streams H (B, T, n, C)
+        i, H = args
+        rec['streams'].append(H.detach().movedim(-2, 0))
+        rec['mixing'].append(output[0][..., 1:].transpose(-1, -2).detach().expand(*H.shape[:-2], -1, -1))
+
+    def on_coefficients(module, args, output):  # mhc_lite: H_pre, H_post, H_res; the streams x
+        i, x = args
+        rec['streams'].append(x.detach().movedim(-2, 0))
+        rec['mixing'].append(output[2].detach())
+
+    for f in model.sublayers():
+        hooks.append(f.register_forward_pre_hook(lambda module, args: rec['inputs'].append(args[0].detach())))
+    for module in residual.modules():
+        if isinstance(module, DepthAttention):
+            hooks.append(module.register_forward_hook(on_read, with_kwargs=True))
+    if hasattr(residual, 'connections'):
+        hooks.append(residual.connections.register_forward_hook(on_connections))
+    if hasattr(residual, 'coefficients'):
+        hooks.append(residual.coefficients.register_forward_hook(on_coefficients))
+    if hasattr(residual, 'gates'):
+        hooks.append(residual.gates.register_forward_hook(lambda m, args, beta: rec['gates'].append(beta.detach())))
+    backend = model.kernels
+    model.set_kernels('reference')
     try:
         with torch.no_grad():
             model(idx)
     finally:
-        del model.sublayers
-        if recorded is not None:
-            residual.recorded = None
-    return inputs, recorded
+        model.set_kernels(backend)
+        for hook in hooks:
+            hook.remove()
+    return rec
 
 
 def activation_stats(inputs):
@@ -59,62 +98,76 @@ def activation_stats(inputs):
             'max_abs': [h.abs().max().item() for h in inputs]}
 
 
-def routing_stats(recorded):
-    """Per query: the mean weight on each source, and the total on detail sources."""
-    return {'query': [r['query'] for r in recorded],
-            'mean_weights': [r['weights'].mean(dim=(1, 2)).tolist() for r in recorded],
-            'detail_weight': [r['weights'][torch.tensor(r['is_detail'])].sum(0).mean().item() for r in recorded]}
+def routing_stats(reads):
+    """Per reader: the mean weight on each source (the details last), and the total on details."""
+    return {'reader': [r['reader'] for r in reads],
+            'mean_weights': [r['weights'] for r in reads],
+            'detail_weight': [sum(r['weights'][len(r['weights']) - r['details']:]) if r['details'] else 0.0
+                              for r in reads]}
 
 
-def stream_angles(recorded):
-    """Mean pairwise angular distance arccos(cos)/pi between the streams (n, B, T, C), per sublayer."""
+def stream_angles(streams):
+    """Mean pairwise angular distance (angle / pi) between the streams (n, B, T, C), per sublayer."""
     angles = []
-    for streams in recorded:
-        unit = torch.nn.functional.normalize(streams.float(), dim=-1)
-        n = len(unit)
-        pairs = [(a, b) for a in range(n) for b in range(a)]
+    for s in streams:
+        unit = torch.nn.functional.normalize(s.float(), dim=-1)
+        pairs = [(a, b) for a in range(len(unit)) for b in range(a)]
         if not pairs:
             angles.append(0.0)
             continue
-        cos = torch.stack([(unit[a] * unit[b]).sum(-1) for a, b in pairs])
-        angles.append((torch.arccos(cos.clamp(-1, 1)) / math.pi).mean().item())
+        # the angle between unit vectors as 2 atan2(|a - b|, |a + b|): exact near 0 and pi, unlike arccos
+        angle = torch.stack([2 * torch.atan2((unit[a] - unit[b]).norm(dim=-1), (unit[a] + unit[b]).norm(dim=-1))
+                             for a, b in pairs])
+        angles.append((angle / math.pi).mean().item())
     return angles
 
 
+def composite_gain(mixing):
+    """For each depth l, the product M_l ... M_0 of the per-token mixing matrices (..., n, n) and its
+    worst token's largest absolute row sum (forward gain) and column sum (backward gain)."""
+    forward, backward, product = [], [], None
+    for M in mixing:
+        product = M.double() if product is None else M.double() @ product
+        forward.append(product.abs().sum(-1).amax().item())
+        backward.append(product.abs().sum(-2).amax().item())
+    return {'forward': forward, 'backward': backward}
+
+
 def pruning(model, val_tokens, block_size, budget):
-    """Val loss on `budget` tokens with all layers, then with each layer's updates skipped in turn."""
-    cfg = {'block_size': block_size, 'eval_tokens': budget, 'batch_size': 16}
+    """Val loss on `budget` tokens with all layers, then with each layer's updates skipped in turn
+    (a forward hook makes both of its sublayers return zeros)."""
     device, ctx = torch.device('cpu'), torch.no_grad()
-    base = evaluate(model, val_tokens, cfg, device, ctx)
-    sublayers = GPT.sublayers(model)
-    skipped = lambda h: torch.zeros_like(h)
-    increases = []
-    for layer in range(model.config.n_layer):
-        model.sublayers = lambda: [skipped if j // 2 == layer else f for j, f in enumerate(sublayers)]
+    evaluate = lambda: data.evaluate(model, val_tokens, block_size, budget, 16, device, ctx)
+    base, increases = evaluate(), []
+    for block in model.transformer.h:
+        hooks = [f.register_forward_hook(lambda module, args, out: torch.zeros_like(out)) for f in (block.attn, block.mlp)]
         try:
-            increases.append(evaluate(model, val_tokens, cfg, device, ctx) - base)
+            increases.append(evaluate() - base)
         finally:
-            del model.sublayers
+            for hook in hooks:
+                hook.remove()
     return {'val_loss': base, 'increase': increases}
 
 
 def analyze(path, n_sequences, budget):
     ckpt = load_checkpoint(path)
-    model = GPT(GPTConfig(**ckpt['model_args']))
-    model.load_state_dict(ckpt['model'])
-    model.eval()
+    model = GPT.from_checkpoint(ckpt, path).eval()
     ds = data.load(ckpt['config']['dataset'], ckpt['config']['data_dir'])
     T = model.config.block_size
     val = ds.splits['val']
     n = min(n_sequences, (len(val) - 1) // T)
-    idx, _ = get_batch(val, [i * T for i in range(n)], T, torch.device('cpu'))
-    inputs, recorded = sublayer_inputs(model, idx)
+    idx, _ = data.get_batch(val, [i * T for i in range(n)], T, torch.device('cpu'))
+    rec = record(model, idx)
     result = {'checkpoint': path, 'residual': model.config.residual, 'n_layer': model.config.n_layer,
-              'iter': ckpt['iter_num'], 'activations': activation_stats(inputs)}
-    if recorded and isinstance(recorded[0], dict):
-        result['routing'] = routing_stats(recorded)
-    elif recorded:
-        result['streams'] = {'angular_distance': stream_angles(recorded)}
+              'iter': ckpt['iter_num'], 'activations': activation_stats(rec['inputs'])}
+    if rec['reads']:
+        result['routing'] = routing_stats(rec['reads'])
+    if rec['streams']:
+        result['streams'] = {'angular_distance': stream_angles(rec['streams'])}
+    if rec['mixing']:
+        result['composite_gain'] = composite_gain(rec['mixing'])
+    if rec['gates']:
+        result['gates'] = [beta.float().mean(dim=(1, 2)).tolist() for beta in rec['gates']]
     result['pruning'] = pruning(model, val, T, budget)
     return result
 
@@ -162,11 +215,12 @@ def plot(results, folder):
             for row, w in enumerate(weights):
                 grid[row, :len(w)] = torch.tensor(w)
             image = ax.imshow(grid.numpy(), aspect='auto', origin='lower', cmap='viridis')
-            ax.set(title=f"{label(r)}: mean weight", xlabel='source (e first)', ylabel='query (last = output)')
+            ax.set(title=f"{label(r)}: mean weight", xlabel='source (e first, details last)',
+                   ylabel='reader (last = output)')
             fig.colorbar(image, ax=ax)
         for r in routed:
             axes[0][-1].plot(r['routing']['detail_weight'], marker='.', label=label(r))
-        axes[0][-1].set(xlabel='query', ylabel='total weight on detail sources')
+        axes[0][-1].set(xlabel='reader', ylabel='total weight on detail sources')
         axes[0][-1].legend(fontsize=8)
         save(fig, 'routing.png')
 
@@ -178,13 +232,30 @@ def plot(results, folder):
         ax.set(xlabel='sublayer', ylabel='mean pairwise angular distance of streams')
         ax.legend(fontsize=8)
         save(fig, 'streams.png')
+
+    mixed = [r for r in results if 'composite_gain' in r]
+    if mixed:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for r in mixed:
+            for key, style in (('forward', '-'), ('backward', '--')):
+                ax.plot(r['composite_gain'][key], style, label=f"{label(r)} {key}")
+        ax.set(xlabel='sublayer l', ylabel='gain of the mixing product up to l', yscale='log')
+        ax.legend(fontsize=8)
+        save(fig, 'composite_gain.png')
+
+    gated = [r for r in results if 'gates' in r]
+    if gated:
+        fig, axes = plt.subplots(1, len(gated), figsize=(5 * len(gated), 4), squeeze=False)
+        for ax, r in zip(axes[0], gated):
+            image = ax.imshow(torch.tensor(r['gates']).T.numpy(), aspect='auto', origin='lower', cmap='magma')
+            ax.set(title=f"{label(r)}: mean gate", xlabel='gated sublayer', ylabel='stream')
+            fig.colorbar(image, ax=ax)
+        save(fig, 'gates.png')
     return written
 
 
 def main(argv):
-    cfg = module_config(globals())
-    for arg in argv:
-        apply_override(cfg, arg)
+    cfg, _ = configurator.parse(argv, configurator.keys_of(globals()), __doc__)
     try:
         results = [analyze(os.path.join(folder, cfg['ckpt_name']), cfg['batch_size'], cfg['eval_tokens'])
                    for folder in cfg['out_dir'].split(',')]

@@ -3,7 +3,7 @@ Cost of every residual method against prenorm, measured in one process.
 
     python bench.py                                  # default config, every registered method
     python bench.py --config=deep --methods=prenorm,block_attnres,wav --steps=5
-    python bench.py --compile=True --json=bench.json
+    python bench.py --compile=True --json_path=bench.json
     python bench.py --methods=mgr --mgr_fallback_p=-1   # MGR without the inverting backward
 
 Steps are interleaved (step 1 of every method, then step 2, ...) so that machine noise hits all
@@ -18,10 +18,10 @@ import time
 
 import torch
 
+import configurator
 from kernels import resolve as resolve_kernels
 from model import GPT, GPTConfig
 from residuals import RESIDUALS
-from train import apply_override, module_config, precision, resolve_device
 
 CONFIGS = {
     'default': dict(n_layer=12, n_embd=384, n_head=6, block_size=256, batch_size=4),
@@ -36,8 +36,8 @@ warmup = 1  # untimed steps per method first (compilation happens here: raise it
 device = 'auto'
 dtype = 'auto'
 compile = False
-kernels = 'auto'  # who runs the depth mixing and the MGR step: auto, torch or triton (kernels.py)
-mgr_fallback_p = 1  # MGR backward inverts the lerp, keeping p originals per token; -1 = plain backward
+kernels = 'auto'  # how the routing runs (kernels.py): reference, torch, triton; auto = triton on CUDA, else torch
+mgr_fallback_p = 1  # MGR's fast backward inverts the lerp, keeping p originals per token; -1 = no inversion
 seed = 0
 json_path = ''  # write the results here too
 
@@ -59,18 +59,16 @@ def saved_bytes(model, x, y):
 
 
 def main(argv):
-    cfg = module_config(globals())
-    for arg in argv:
-        apply_override(cfg, arg)
+    cfg, _ = configurator.parse(argv, configurator.keys_of(globals()), __doc__)
     if cfg['config'] not in CONFIGS:
         sys.exit(f"error: config={cfg['config']!r}; choose one of: {', '.join(CONFIGS)}")
     names = ['prenorm'] + [m for m in cfg['methods'].split(',') if m and m != 'prenorm']
     unknown = [m for m in names if m not in RESIDUALS]
     if unknown:
         sys.exit(f"error: unknown methods {unknown}; choose from: {', '.join(RESIDUALS)}")
-    dev = resolve_device(cfg['device'])
-    dtype_name, ctx = precision(dev, cfg['dtype'])
     try:
+        dev = configurator.resolve_device(cfg['device'])
+        dtype_name, ctx = configurator.precision(dev, cfg['dtype'])
         backend = resolve_kernels(cfg['kernels'], dev.type)
     except ValueError as e:
         sys.exit(f"error: {e}")

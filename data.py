@@ -29,6 +29,7 @@ import urllib.request
 import zipfile
 
 import numpy as np
+import torch
 from tqdm import tqdm
 
 EMBEDDED = 'pydoc'
@@ -424,6 +425,36 @@ class Dataset:
         if not self.char_level:
             return gpt2_encoding().decode([t for t in tokens if t < FINEWEB_VOCAB])
         return ''.join(self.meta['vocab'][t] for t in tokens)
+
+
+# ----------------------------------------------------------------------------- batches and the fixed validation
+
+def get_batch(tokens, offsets, block_size, device):
+    """Inputs and next-token targets (len(offsets), block_size) starting at the given offsets."""
+    x = np.stack([tokens[i:i + block_size] for i in offsets]).astype(np.int64)
+    y = np.stack([tokens[i + 1:i + 1 + block_size] for i in offsets]).astype(np.int64)
+    x, y = torch.from_numpy(x), torch.from_numpy(y)
+    if device.type == 'cuda':
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    return x.to(device), y.to(device)
+
+
+def evaluate(model, tokens, block_size, eval_tokens, batch_size, device, ctx):
+    """Mean loss of model(x, y) over the fixed validation windows: consecutive block_size windows
+    from the start of `tokens`, eval_tokens in all. The same tokens for every method, run and step."""
+    n_windows = min(eval_tokens, len(tokens) - 1) // block_size
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    with torch.no_grad():
+        for start in range(0, n_windows, batch_size):
+            offsets = [w * block_size for w in range(start, min(start + batch_size, n_windows))]
+            x, y = get_batch(tokens, offsets, block_size, device)
+            with ctx:
+                _, loss = model(x, y)
+            total += loss.item() * len(offsets)
+    model.train(was_training)
+    return total / n_windows
 
 
 def gpt2_encoding():

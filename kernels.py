@@ -1,29 +1,42 @@
 """
-Fused kernels (optional): depth mixing for the AttnRes family and WAV, and one fused MGR step.
+How fast: the same maths as residuals.py, computed faster. residuals.py says what each method
+computes (plain autograd, the oracle); this file holds every fast path behind one knob,
+`--kernels=reference|torch|triton|auto`:
 
-Each kernel has a PyTorch twin that computes the same thing and is the default (depth mixing:
-DepthMix in residuals.py; the MGR step: mgr_step_torch below). The Triton versions run on CUDA,
-or on CPU tensors through Triton's interpreter when TRITON_INTERPRET=1 is set before triton is
-imported (that is how the tests check them). Choose with `--kernels`: `auto` = Triton on CUDA
-when it imports, else torch. The Triton launches are wrapped as torch.library custom ops, so
-torch.compile treats them as single opaque nodes (no graph break).
+    reference  each class's own forward in residuals.py, exactly as written
+    torch      the fast PyTorch twins below: hand-written backwards that keep no stacked copies,
+               two-phase reads, MGR's fused step with its inverting backward
+    triton     the same schedules with the Triton kernels (CUDA; on CPU tensors through Triton's
+               interpreter when TRITON_INTERPRET=1 is set before triton is imported, as the tests do)
+    auto       triton on CUDA when it imports, else torch
 
-depth_mix: m queries read a list of S sources (B, T, C), one program per token: each source is
-read once in the forward (RMS, dots with every query and an online softmax in one pass) and once
-in the backward. The sources are passed as a table of their addresses, never stacked.
+`route(residual, x, sublayers, backend)` runs a method: the fast twin listed in FAST for its class,
+or its own forward (the reference, and every method without a twin here). The tests hold every
+twin equal to the reference, in value and in every gradient.
 
-MGR step: the streams' convex update and the next sublayer's AttnPool in one pass over the streams.
-Its backward can rebuild the input streams from the output streams by inverting the lerp,
-s = (s' - beta u) / (1 - beta), so the chain of steps keeps one set of streams instead of one per
-sublayer; the originals of the p largest gates per token are stored, as the inversion divides by
-1 - beta (`mgr_fallback_p` = p).
+depth_mix (AttnRes family, WAV): m queries read a list of S sources (B, T, C). DepthMix in PyTorch
+works one source at a time; the Triton kernel runs one program per token and reads each source
+once in the forward (RMS, dots with every query and an online softmax in one pass) and once in the
+backward. The sources are never stacked.
+
+Two-phase reads (the AttnRes paper's schedule): the queries of a block (or of a chunk of about
+sqrt(L) sublayers for Full and Delta AttnRes) read the finished sources in one pass; each sublayer
+then merges the sources of its own block by an online softmax (the log-sum-exp of the first pass).
+
+MGR step: the gates, the streams' convex update and the next sublayer's AttnPool in one pass over
+the streams. Its backward can rebuild the input streams from the output streams by inverting the
+lerp, s = (s' - beta u) / (1 - beta), so the chain of steps keeps one set of streams instead of one
+per sublayer; the originals of the p largest gates per token are stored, as the inversion divides
+by 1 - beta (`mgr_fallback_p` = p; -1 = no inversion).
 """
 import functools
+import math
 import os
 from typing import List, Tuple
 
 import torch
 from torch import Tensor
+from torch.nn import functional as F
 
 try:
     import triton
@@ -32,21 +45,34 @@ except ImportError:  # the kernels are optional: everything runs with kernels=to
     triton = None
 
 RMS_EPS = 1e-6  # of every RMSNorm in the routing; residuals.py takes it from here
-KERNELS = ('auto', 'torch', 'triton')
+KERNELS = ('auto', 'reference', 'torch', 'triton')
 
 
 def resolve(kernels, device_type):
-    """'torch' or 'triton' for the --kernels knob on this device; a clear error when triton can't run."""
+    """'reference', 'torch' or 'triton' for the --kernels knob on this device; a clear error when
+    triton can't run."""
     if kernels not in KERNELS:
         raise ValueError(f"kernels={kernels!r}; choose one of: {', '.join(KERNELS)}")
-    if kernels == 'torch' or (kernels == 'auto' and (triton is None or device_type != 'cuda')):
-        return 'torch'
+    if kernels in ('reference', 'torch') or (kernels == 'auto' and (triton is None or device_type != 'cuda')):
+        return 'torch' if kernels == 'auto' else kernels
     if triton is None:
         raise ValueError("kernels=triton needs the triton package: pip install triton (Linux), or use --kernels=torch")
     if device_type != 'cuda' and os.environ.get('TRITON_INTERPRET') != '1':
         raise ValueError(f"kernels=triton runs on CUDA, and this run is on {device_type}; use --kernels=torch, "
                          "or set TRITON_INTERPRET=1 to run the kernels through Triton's (slow) interpreter")
     return 'triton'
+
+
+def route(residual, x, sublayers, backend='torch', mgr_fallback_p=1):
+    """Run a residual method on the embedding x through the sublayers: the fast twin of its class
+    (FAST, at the bottom) with backend 'torch' or 'triton', else its own forward."""
+    fast = FAST.get(type(residual).__name__) if backend != 'reference' else None
+    return residual(x, sublayers) if fast is None else fast(residual, x, sublayers, backend, mgr_fallback_p)
+
+
+def upcast(x):
+    """float32 for half-precision tensors, others as they are (as residuals.upcast)."""
+    return x.float() if x.element_size() < 4 else x
 
 
 def next_pow2(x):
@@ -60,6 +86,77 @@ def reduction_programs(n_tokens):
 
 
 # ----------------------------------------------------------------------------- depth mixing
+
+def weighted_sum(weights, values):
+    """sum_k weights[:, k, ..., None] * values[k]: weights (I, K, B, T), K values (B, T, C) -> (I, B, T, C).
+    einsum('ikbt,kbtc->ibtc') is the same, but on CPU PyTorch runs it as one tiny matmul per token,
+    3-10x slower at our sizes; K fused multiply-adds instead."""
+    out = weights[:, 0, ..., None] * values[0]
+    for k in range(1, len(values)):
+        out.addcmul_(weights[:, k, ..., None], values[k])
+    return out
+
+
+class DepthMix(torch.autograd.Function):
+    """m queries read a list of S sources: sum_s softmax_s(q_j . RMSNorm(v_s) + b_js) v_s, with a
+    hand-written backward. queries (m, C), bias (m, S) or None -> mixed (m, B, T, C), lse (m, B, T).
+
+    lse_j = logsumexp_s l_js lets a caller merge more sources later with an online softmax. It works
+    one source at a time and saves per-token statistics (1/RMS per source, lse per query: the weights
+    are recomputed in the backward) and references to the sources, never a stacked copy (with plain
+    autograd, Full AttnRes keeps an (S, B, T, C) stack per sublayer: L^2 memory; on CPU, passes over
+    such stacks also cost 3x the time).
+    With r_s = 1/RMS(v_s), l_js = r_s v_s.q_j + b_js, w = softmax_s(l), out_j = sum_s w_js v_s and
+    g_j, h_j the gradients of out_j and lse_j: dl_js = w_js (g_j.v_s - g_j.out_j + h_j), and
+    dv_s = sum_j [w_js g_j + dl_js r_s q_j - dl_js r_s^2 (r_s v_s.q_j) v_s / C]."""
+
+    @staticmethod
+    def forward(ctx, queries, bias, *sources):
+        values = [upcast(v) for v in sources]
+        rinv = torch.stack([torch.rsqrt(v.pow(2).mean(-1) + RMS_EPS) for v in values])  # r_s (S, B, T)
+        scores, logits = DepthMix.logits(queries, bias, values, rinv)
+        lse = torch.logsumexp(logits, dim=1)
+        weights = torch.exp(logits - lse.unsqueeze(1))
+        mixed = weighted_sum(weights, values).to(functools.reduce(torch.promote_types, [v.dtype for v in sources]))
+        ctx.save_for_backward(queries, bias, rinv, lse, *sources)
+        return mixed, lse
+
+    @staticmethod
+    def logits(queries, bias, values, rinv):
+        """The scores q_j . RMSNorm(v_s) and the logits (scores + bias), both (m, S, B, T)."""
+        q = upcast(queries).T
+        scores = rinv * torch.stack([v @ q for v in values]).permute(3, 0, 1, 2)
+        return scores, scores if bias is None else scores + upcast(bias)[:, :, None, None]
+
+    @staticmethod
+    def backward(ctx, grad_mixed, grad_lse):
+        queries, bias, rinv, lse, *sources = ctx.saved_tensors
+        g, q, values = upcast(grad_mixed), upcast(queries), [upcast(v) for v in sources]
+        m, C = q.shape
+        scores, logits = DepthMix.logits(queries, bias, values, rinv)
+        weights = torch.exp(logits - lse.unsqueeze(1))
+        grad_weights = torch.stack([torch.einsum('btc,mbtc->mbt', v, g) for v in values], dim=1)  # g_j . v_s
+        grad_logits = weights * (grad_weights - (weights * grad_weights).sum(1, keepdim=True)
+                                 + grad_lse.unsqueeze(1))
+        scaled = grad_logits * rinv  # dl_js r_s
+        along_value = (scaled * rinv * scores).sum(0) / C
+        grad_queries, grad_values = torch.zeros_like(q), []
+        for s, v in enumerate(values):  # dv_s built in place, one source at a time
+            grad = v * -along_value[s].unsqueeze(-1)
+            for j in range(m):
+                grad.addcmul_(weights[j, s].unsqueeze(-1), g[j])
+            grad.view(-1, C).addmm_(scaled[:, s].reshape(m, -1).T, q)
+            grad_queries.addmm_(scaled[:, s].reshape(m, -1), v.reshape(-1, C))
+            grad_values.append(grad.to(sources[s].dtype))
+        grad_bias = grad_logits.sum(dim=(2, 3)) if bias is not None else None
+        return (grad_queries.to(queries.dtype), grad_bias, *grad_values)
+
+
+def depth_mix(queries, bias, sources, backend):
+    """m queries (m, C) read S sources (B, T, C), bias (m, S) or None -> mixed (m, B, T, C), lse (m, B, T)."""
+    if backend == 'triton':
+        return triton_depth_mix(queries, bias, list(sources))
+    return DepthMix.apply(queries, bias, *sources)
 
 if triton is not None:
     @triton.jit
@@ -126,7 +223,7 @@ def _address_table(tensors):
 
 
 def triton_depth_mix(queries, bias, sources):
-    """DepthMix (residuals.py) in Triton: queries (m, C), bias (m, S) or None, a list of S sources
+    """DepthMix in Triton: queries (m, C), bias (m, S) or None, a list of S sources
     (B, T, C) -> mixed (m, B, T, C), lse (m, B, T) float32. The kernel reads every source through
     one pointer type, so sources of mixed dtypes (under autocast: e float32, updates bfloat16) are
     promoted first, as torch.stack does; mixed has that dtype. A missing bias is passed as zeros."""
@@ -187,6 +284,116 @@ def _depth_mix_grads(ctx, grad_mixed, grad_lse):
 
 
 _triton_depth_mix.register_autograd(_depth_mix_grads, setup_context=_depth_mix_setup)
+
+
+# ----------------------------------------------------------------------------- the AttnRes family's schedules
+
+def read_many(queries, sources, bias, backend):
+    """Phase 1: the queries (m, C) read the same sources in one pass -> m rows (mixed, lse). Unbound
+    once: indexing row k of the whole tensor would give every row's backward a zero gradient of the
+    whole size."""
+    mixed, lse = depth_mix(queries, bias, sources, backend)
+    return list(zip(mixed.unbind(0), lse.unbind(0)))
+
+
+def read_on(row, query, more, bias, backend):
+    """Phase 2: a phase-1 row (mixed, lse) merged, by an online softmax, with further sources that
+    this query alone reads (bias: one per source, or None)."""
+    mixed, lse = row
+    if not more:
+        return mixed
+    (more_mixed, more_lse), = read_many(query[None], more, None if bias is None else bias[None], backend)
+    total = torch.logaddexp(lse, more_lse)
+    old, new = torch.exp(lse - total).unsqueeze(-1), torch.exp(more_lse - total).unsqueeze(-1)
+    return old.to(mixed.dtype) * mixed + new.to(mixed.dtype) * more_mixed
+
+
+def read_all(query, sources, bias, backend):
+    """One query reads all the sources (the output mixers)."""
+    return read_many(query[None], sources, None if bias is None else bias[None], backend)[0][0]
+
+
+def attnres(module, x, sublayers, backend, mgr_fallback_p):
+    """Full AttnRes in chunks of about sqrt(L) sublayers: the chunk's queries read the finished
+    sources in one pass, and each merges the chunk's own fresh updates."""
+    queries, L, sources = module.read.queries, len(sublayers), [x]
+    chunk = max(1, math.isqrt(L))
+    for start in range(0, L, chunk):
+        m = min(chunk, L - start)
+        finished, fresh = read_many(queries[start:start + m], sources, None, backend), []
+        for k in range(m):
+            fresh.append(sublayers[start + k](read_on(finished[k], queries[start + k], fresh, None, backend)))
+        sources = sources + fresh
+    return read_all(queries[L], sources, None, backend)
+
+
+def delta_attnres(module, x, sublayers, backend, mgr_fallback_p):
+    """Delta AttnRes with Full AttnRes's chunked reads of the deltas."""
+    queries, L, deltas = module.read.queries, len(sublayers), [x]
+    chunk = max(1, math.isqrt(L))
+    for start in range(0, L, chunk):
+        m = min(chunk, L - start)
+        finished, fresh = read_many(queries[start:start + m], deltas, None, backend), []
+        for k in range(m):
+            i = start + k
+            read = read_on(finished[k], queries[i], fresh, None, backend)
+            u = sublayers[i](x + torch.sigmoid(module.gate_logit[i]) * read)
+            x = x + u
+            fresh.append(u)
+        deltas = deltas + fresh
+    return x
+
+
+def block_attnres(module, x, sublayers, backend, mgr_fallback_p):
+    """Block AttnRes in two phases: the queries of a block read e and the finished block sums in one
+    pass; each then merges the block's partial sum PC, once the block has begun."""
+    queries, L, sources = module.read.queries, len(sublayers), [x]
+    for start in range(0, L, module.block_len):
+        m = min(module.block_len, L - start)
+        finished, partial = read_many(queries[start:start + m], sources, None, backend), None
+        for k in range(m):
+            h = read_on(finished[k], queries[start + k], [] if partial is None else [partial], None, backend)
+            u = sublayers[start + k](h)
+            partial = u if partial is None else partial + u
+        sources = sources + [partial]
+    return read_all(queries[L], sources, None, backend)
+
+
+def detail_bias(module, i, types):
+    """WAV's per-source bias for query i (an index or a slice of queries): 0 for type -1 (e, a block
+    sum, PC), detail_bias[i, d] for a detail of type d."""
+    padded = F.pad(module.detail_bias[i], (1, 0))
+    return padded[..., torch.tensor(types, device=padded.device) + 1]
+
+
+def wav(module, x, sublayers, backend, mgr_fallback_p):
+    """WAV in Block AttnRes's two phases: the queries of a block read the finished pool (e, the block
+    sums and their matched details) in one pass; each then merges PC and the block's partial details,
+    which are accumulated online (one tensor per detail type)."""
+    queries, L = module.read.queries, len(sublayers)
+    sources, types = [x], [-1]  # the finished pool; -1: e or a block sum, d >= 0: a detail of type d
+    for start in range(0, L, module.block_len):
+        m = min(module.block_len, L - start)
+        coeffs = module.basis(m)
+        finished = read_many(queries[start:start + m], sources, detail_bias(module, slice(start, start + m), types),
+                             backend)
+        partial = raw = None  # PC and the raw partial details P_d
+        for k in range(m):
+            i, more, more_types = start + k, [], []
+            if k:  # the P terms only once the block has begun
+                begun = module.begun(m, k)
+                more, more_types = [partial] + [module.match(raw[d], partial) for d in begun], [-1] + begun
+            h = read_on(finished[k], queries[i], more, detail_bias(module, i, more_types) if more else None, backend)
+            u = sublayers[i](h)
+            partial = u if partial is None else partial + u
+            terms = [coeffs[d, k].to(u.dtype) * u for d in range(len(coeffs))]
+            raw = terms if raw is None else [p + t for p, t in zip(raw, terms)]
+        begun = module.begun(m, m)
+        sources = sources + [partial] + [module.match(raw[d], partial) for d in begun]
+        types = types + [-1] + begun
+    if not module.detail_readout:  # conservative readout: e and the block sums only
+        sources, types = [s for s, t in zip(sources, types) if t < 0], [t for t in types if t < 0]
+    return read_all(queries[L], sources, detail_bias(module, L, types), backend)
 
 
 # ----------------------------------------------------------------------------- MGR step
@@ -457,3 +664,31 @@ def mgr_step(streams, u, gate_query, gate_bias, pool_query, competitive, fallbac
     new, h, *_ = MGRStep.apply(streams.reshape(n, -1, shape[-1]), u.reshape(-1, shape[-1]), gate_query,
                                gate_bias.reshape(1), pool_query, competitive, fallback_p, tape, step, last, backend)
     return new.view(n, *shape), h.view(shape)
+
+
+def mgr(module, x, sublayers, backend, mgr_fallback_p):
+    """MGR with the fused step (gates, convex update, next AttnPool). With mgr_fallback_p >= 0 in
+    eager mode, the steps' backwards invert the lerp, passing the rebuilt streams backwards on a
+    tape local to this forward. The plain step (torch, mgr_fallback_p = -1) is the class's forward."""
+    if backend == 'torch' and mgr_fallback_p < 0:
+        return module(x, sublayers)
+    n, pool, gates = module.n, module.pool, module.gates
+    tape = {} if mgr_fallback_p >= 0 and not torch.compiler.is_compiling() else None  # Python state: eager only
+    streams = x.unsqueeze(0)  # s_1 = e
+    h = pool(0, streams)
+    for i, f in enumerate(sublayers):
+        u = f(h)
+        if i < n - 1:  # accumulation phase: the update starts a new stream
+            streams = torch.cat([streams, u.unsqueeze(0)])
+            h = pool(i + 1, streams)
+        else:
+            j = i - (n - 1)
+            streams, h = mgr_step(streams, u, gates.queries[j] * gates.scale, gates.bias[j],
+                                  pool.queries[i + 1] * pool.scale, gates.competitive, mgr_fallback_p, tape, i,
+                                  i == len(sublayers) - 1, backend)
+    return h
+
+
+# the fast twins, by the name of the class in residuals.py whose maths each computes
+FAST = {'AttnRes': attnres, 'BlockAttnRes': block_attnres, 'DeltaAttnRes': delta_attnres, 'WAV': wav,
+        'MultiGateResiduals': mgr}

@@ -1,29 +1,33 @@
 """
 A nanoGPT-style decoder-only transformer whose residual stream is pluggable.
 
-The transformer layers provide 2*n_layer sublayer callables (attention, MLP, attention, ...);
-the residual class chosen by `config.residual` (see residuals.py) owns the loop over them.
-Every method shares these attention/MLP modules and their init, so comparing two methods
-changes the residual routing alone.
+The transformer layers provide 2*n_layer sublayers (attention, MLP, attention, ...), each a module
+that applies its own pre-norm; the residual class chosen by `config.residual` (see residuals.py)
+owns the loop over them, and kernels.py may run the same maths faster (`GPT.set_kernels`). Every
+method shares these attention/MLP modules and their init, so comparing two methods changes the
+residual routing alone. Checkpoints are written and read here too.
 """
 import inspect
 import math
+import os
+import pickle
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
+import kernels
 from residuals import RESIDUALS
 
 
 @dataclass
 class GPTConfig:
-    block_size: int = 256
-    vocab_size: int = 96
-    n_layer: int = 6
-    n_head: int = 6
-    n_embd: int = 384
+    block_size: int = 128
+    vocab_size: int = 96  # set from the dataset by train.py
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
     dropout: float = 0.0
     bias: bool = False  # biases in Linears and LayerNorms, as in GPT-2 when True
     residual: str = 'prenorm'  # a key of residuals.RESIDUALS
@@ -45,17 +49,20 @@ class GPTConfig:
     def __post_init__(self):
         if self.residual not in RESIDUALS:
             raise ValueError(f"unknown residual {self.residual!r}; choose one of: {', '.join(RESIDUALS)}")
-        for name in ('block_size', 'vocab_size', 'n_layer', 'n_head', 'n_embd'):
+        for name in ('block_size', 'vocab_size', 'n_layer', 'n_head', 'n_embd', 'hc_streams', 'mgr_streams',
+                     'wav_levels'):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} must be a multiple of n_head={self.n_head}")
-        if self.hc_streams < 1 or self.mgr_streams < 1:
-            raise ValueError("hc_streams and mgr_streams must be at least 1")
-        if self.res_block_size < 0 or self.wav_levels < 1 or self.wav_rho <= 0:
-            raise ValueError("res_block_size must be >= 0 (0 = auto), wav_levels >= 1 and wav_rho > 0")
+        if self.res_block_size < 0:
+            raise ValueError(f"res_block_size must be >= 0 (0 = auto), got {self.res_block_size}")
+        if self.wav_rho <= 0:
+            raise ValueError(f"wav_rho must be > 0, got {self.wav_rho}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.mgr_gate not in ('independent', 'competitive'):
+            raise ValueError(f"mgr_gate={self.mgr_gate!r}; choose independent or competitive")
 
 
 class LayerNorm(nn.Module):
@@ -71,18 +78,20 @@ class LayerNorm(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
+    """Sublayer f(h) = attention(norm(h)); the norm is the identity for methods without pre-norm."""
 
-    def __init__(self, config):
+    def __init__(self, config, prenorm=True):
         super().__init__()
+        self.ln = LayerNorm(config.n_embd, config.bias) if prenorm else nn.Identity()
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
         self.n_head = config.n_head
         self.dropout = config.dropout
 
-    def forward(self, x):
-        B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(C, dim=2)
+    def forward(self, h):
+        B, T, C = h.size()
+        q, k, v = self.c_attn(self.ln(h)).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
                                            is_causal=True)
@@ -91,35 +100,27 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
+    """Sublayer f(h) = MLP(norm(h)); the norm is the identity for methods without pre-norm."""
 
-    def __init__(self, config):
+    def __init__(self, config, prenorm=True):
         super().__init__()
+        self.ln = LayerNorm(config.n_embd, config.bias) if prenorm else nn.Identity()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x):
-        return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
+    def forward(self, h):
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(self.ln(h)))))
 
 
 class Block(nn.Module):
-    """One transformer layer, seen as two sublayers f(h) = module(norm(h)).
+    """One transformer layer: two sublayers, attention then MLP. It has no forward of its own: the
+    residual class decides how the sublayers' inputs and outputs are combined."""
 
-    It has no forward of its own: the residual class decides how the two sublayers' inputs
-    and outputs are combined. Methods that drop the pre-norm (ReZero) get identity norms."""
-
-    def __init__(self, config, sublayer_norm):
+    def __init__(self, config, prenorm):
         super().__init__()
-        self.ln_1 = LayerNorm(config.n_embd, config.bias) if sublayer_norm else nn.Identity()
-        self.attn = CausalSelfAttention(config)
-        self.ln_2 = LayerNorm(config.n_embd, config.bias) if sublayer_norm else nn.Identity()
-        self.mlp = MLP(config)
-
-    def attn_sublayer(self, h):
-        return self.attn(self.ln_1(h))
-
-    def mlp_sublayer(self, h):
-        return self.mlp(self.ln_2(h))
+        self.attn = CausalSelfAttention(config, prenorm)
+        self.mlp = MLP(config, prenorm)
 
 
 class GPT(nn.Module):
@@ -144,6 +145,7 @@ class GPT(nn.Module):
             if name.endswith('c_proj.weight'):  # GPT-2's scaled init of the residual projections
                 torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
         self.residual = residual_cls(config)
+        self.kernels, self.mgr_fallback_p = 'torch', 1  # see set_kernels
 
     def _init_weights(self, module):
         if isinstance(module, nn.Linear):
@@ -153,17 +155,17 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def set_kernels(self, backend, mgr_fallback_p=1):
-        """How the routing runs; neither changes the maths. backend: 'torch' or 'triton' (see
-        kernels.resolve) computes the depth mixing and the MGR step. mgr_fallback_p: MGR's backward
-        rebuilds its streams by inverting the lerp, keeping the originals of the p largest gates per
-        token; -1 keeps every input instead (with torch: the plain autograd reference)."""
+    def set_kernels(self, name='auto', mgr_fallback_p=1):
+        """How the routing runs, not what it computes (kernels.py): 'reference' (the classes of
+        residuals.py as written), 'torch', 'triton', or 'auto' (triton on CUDA, else torch), for the
+        device the model is on now. mgr_fallback_p: MGR's fast backward rebuilds its streams by
+        inverting the lerp, keeping the originals of the p largest gates per token; -1 keeps every
+        input instead. Returns the backend chosen."""
         if mgr_fallback_p < -1:
             raise ValueError(f"mgr_fallback_p must be -1 (no inversion) or >= 0, got {mgr_fallback_p}")
-        if hasattr(self.residual, 'kernels'):
-            self.residual.kernels = backend
-        if hasattr(self.residual, 'fallback_p'):
-            self.residual.fallback_p = mgr_fallback_p
+        self.kernels = kernels.resolve(name, self.lm_head.weight.device.type)
+        self.mgr_fallback_p = mgr_fallback_p
+        return self.kernels
 
     def get_num_params(self, non_embedding=True):
         """Parameter count; the position embedding is left out by default, as in nanoGPT."""
@@ -173,8 +175,8 @@ class GPT(nn.Module):
         return n_params
 
     def sublayers(self):
-        """The L = 2*n_layer sublayer callables, in order: attention, MLP, attention, MLP, ..."""
-        return [f for block in self.transformer.h for f in (block.attn_sublayer, block.mlp_sublayer)]
+        """The L = 2*n_layer sublayer modules, in order: attention, MLP, attention, MLP, ..."""
+        return [f for block in self.transformer.h for f in (block.attn, block.mlp)]
 
     def forward(self, idx, targets=None):
         B, T = idx.size()
@@ -182,7 +184,7 @@ class GPT(nn.Module):
             raise ValueError(f"sequence of length {T} is longer than block_size={self.config.block_size}")
         pos = torch.arange(0, T, dtype=torch.long, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
-        x = self.residual(x, self.sublayers())
+        x = kernels.route(self.residual, x, self.sublayers(), self.kernels, self.mgr_fallback_p)  # residual(x, sublayers)
         x = self.transformer.ln_f(x)
         if targets is not None:
             logits = self.lm_head(x)
@@ -205,14 +207,15 @@ class GPT(nn.Module):
         fused = device_type == 'cuda' and 'fused' in inspect.signature(torch.optim.AdamW).parameters
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, **({'fused': True} if fused else {}))
 
-    def estimate_mfu(self, tokens_per_iter, dt, peak_flops=989e12):
-        """Model FLOPs utilisation against `peak_flops` (default: H100 bf16 dense). Uses the
-        PaLM estimate 6N + 12*L*H*Q*T per token, which ignores the residual routing's own cost."""
-        cfg = self.config
-        N = self.get_num_params()
-        L, H, Q, T = cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head, cfg.block_size
-        flops_per_token = 6 * N + 12 * L * H * Q * T
-        return flops_per_token * tokens_per_iter / dt / peak_flops
+    @classmethod
+    def from_checkpoint(cls, ckpt, path='the checkpoint'):
+        """The model a checkpoint (see load_checkpoint) holds."""
+        model = cls(GPTConfig(**ckpt['model_args']))
+        try:
+            model.load_state_dict(ckpt['model'])
+        except RuntimeError as e:
+            raise CheckpointError(f"{path} does not fit this version of model.py ({str(e).splitlines()[0]})")
+        return model
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
@@ -228,3 +231,41 @@ class GPT(nn.Module):
             idx_next = torch.multinomial(probs, num_samples=1, generator=generator)
             idx = torch.cat((idx, idx_next), dim=1)
         return idx
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+class CheckpointError(Exception):
+    """A checkpoint that is missing, unreadable or does not match the command line."""
+
+
+def save_checkpoint(obj, path):
+    """Atomic: write a temporary file, flush it to disk, then rename over the old one. A crash
+    at any point leaves the previous checkpoint intact."""
+    tmp = path + '.tmp'
+    with open(tmp, 'wb') as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path, map_location='cpu'):
+    """torch.load(weights_only=True), with one clear error for a missing or unreadable file."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"no checkpoint at {path}; train without --init_from=resume first, "
+                              f"or point --out_dir at the run's folder")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # torch raises several types for empty, truncated or foreign files
+        if os.path.getsize(path) == 0:
+            why = 'it is empty'
+        elif isinstance(e, pickle.UnpicklingError) and 'weights_only' in str(e):
+            why = 'it holds Python objects that a safe load refuses: not a checkpoint of this project'
+        else:
+            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+            why = f"{type(e).__name__}: {lines[0][:200]}" if lines else type(e).__name__
+        best = os.path.join(os.path.dirname(path), 'best.pt')
+        also = f"; {best}, the lowest-val-loss checkpoint, is there" if os.path.isfile(best) and \
+            os.path.abspath(best) != os.path.abspath(path) else ''
+        raise CheckpointError(f"checkpoint {path} is unreadable ({why}); it is left untouched{also}")

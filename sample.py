@@ -5,12 +5,14 @@ Sample from a trained model.
     python sample.py --out_dir=out --start="def " --num_samples=1 --max_new_tokens=500
     python sample.py --start=FILE:prompt.txt           # the prompt read from a file
 """
+import os
 import sys
+
 import torch
 
+import configurator
 import data
-from model import GPT, GPTConfig
-from train import CheckpointError, apply_override, load_checkpoint, module_config, precision, resolve_device
+from model import GPT, CheckpointError, load_checkpoint
 
 out_dir = 'out'
 ckpt_name = 'ckpt.pt'  # or best.pt, the lowest val loss
@@ -25,24 +27,21 @@ dtype = 'auto'
 
 
 def main(argv):
-    cfg = module_config(globals())
-    for arg in argv:
-        apply_override(cfg, arg)
-    device = resolve_device(cfg['device'])
-    _, ctx = precision(device, cfg['dtype'])
-
+    cfg, _ = configurator.parse(argv, configurator.keys_of(globals()), __doc__)
     try:
-        ckpt = load_checkpoint(f"{cfg['out_dir']}/{cfg['ckpt_name']}")
+        device = configurator.resolve_device(cfg['device'])
+        _, ctx = configurator.precision(device, cfg['dtype'])
+        path = os.path.join(cfg['out_dir'], cfg['ckpt_name'])
+        ckpt = load_checkpoint(path)
+        model = GPT.from_checkpoint(ckpt, path)
         ds = data.load(ckpt['config']['dataset'], ckpt['config']['data_dir'])
         prompt = cfg['start']
         if prompt.startswith('FILE:'):
             with open(prompt[5:], encoding='utf-8') as f:
                 prompt = f.read()
         start_ids = ds.encode(prompt) if prompt else ds.splits['val'][:1].tolist()
-    except (CheckpointError, data.DataError, OSError) as e:
+    except (CheckpointError, data.DataError, OSError, ValueError) as e:
         sys.exit(f"error: {e}")
-    model = GPT(GPTConfig(**ckpt['model_args']))
-    model.load_state_dict(ckpt['model'])
     model.eval().to(device)
     generator = torch.Generator(device=device).manual_seed(cfg['seed'])
     x = torch.tensor(start_ids, dtype=torch.long, device=device)[None, ...]

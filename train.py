@@ -10,28 +10,23 @@ Train a GPT with a chosen residual method, nanoGPT-style.
 Every default below, and every field of model.GPTConfig, is a key. Values are type-checked
 against the defaults; unknown keys and bad values fail with a message naming the valid ones.
 """
-import ast
-import difflib
 import json
 import math
 import os
 import sys
 import time
-import types
-from contextlib import nullcontext
 from dataclasses import asdict, fields
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
+import configurator
 import data
-from kernels import KERNELS, resolve as resolve_kernels
-from model import GPT, GPTConfig
-from residuals import RESIDUALS
+from model import GPT, GPTConfig, CheckpointError, load_checkpoint, save_checkpoint
 
 # -----------------------------------------------------------------------------
-# defaults: a small model that learns the embedded text in a few CPU minutes
+# defaults: a small model (GPTConfig's defaults: 4 layers, width 128, context 128) that learns the
+# embedded text in a few CPU minutes
 # I/O
 out_dir = 'out'
 init_from = 'scratch'  # 'scratch' or 'resume' (continue out_dir/ckpt.pt)
@@ -44,13 +39,7 @@ dataset = 'pydoc'  # see data.py
 data_dir = 'data'
 batch_size = 32  # sequences per micro-step
 gradient_accumulation_steps = 1  # micro-steps per step, over all processes (fixed global batch)
-block_size = 128
-# model (any other GPTConfig field works too, e.g. --layerscale_init=0.01)
-residual = 'prenorm'
-n_layer = 4
-n_head = 4
-n_embd = 128
-dropout = 0.0
+# model: every field of model.GPTConfig is a key too (--residual=wav, --n_layer=12, --res_block_size=2, ...)
 # AdamW with warmup and cosine decay
 learning_rate = 2e-3
 max_iters = 1200
@@ -65,139 +54,26 @@ min_lr = 2e-4
 device = 'auto'  # auto = cuda > mps > cpu; or e.g. cpu, cuda, cuda:1
 dtype = 'auto'  # auto = bfloat16 on a GPU that supports it, else float32
 compile = False
-kernels = 'auto'  # who runs the depth mixing and the MGR step: torch, or triton (auto: triton on CUDA)
-mgr_fallback_p = 1  # MGR's backward inverts the lerp, keeping p originals per token; -1 = plain backward
+kernels = 'auto'  # how the routing runs (kernels.py): reference, torch, triton; auto = triton on CUDA, else torch
+mgr_fallback_p = 1  # MGR's fast backward inverts the lerp, keeping p originals per token; -1 = no inversion
 # -----------------------------------------------------------------------------
 
-DERIVED = {'vocab_size'}  # GPTConfig fields that come from the dataset, not the command line
-CHOICES = {
-    'residual': tuple(RESIDUALS),
-    'init_from': ('scratch', 'resume'),
-    'dtype': ('auto', 'float32', 'bfloat16'),
-    'mgr_gate': ('independent', 'competitive'),
-    'kernels': KERNELS,
-}
-MODEL_KEYS = [f.name for f in fields(GPTConfig) if f.name not in DERIVED]
-
-
-def module_config(scope):
-    """The keys of a script: its public module-level ints, floats, bools and strings."""
-    return {k: v for k, v in scope.items() if not k.startswith('_') and type(v) in (int, float, bool, str)}
+MODEL_KEYS = [f.name for f in fields(GPTConfig) if f.name != 'vocab_size']  # vocab_size comes from the dataset
 
 
 def default_config():
-    return {**{f.name: f.default for f in fields(GPTConfig) if f.name not in DERIVED}, **module_config(globals())}
-
-
-def resolve_device(name):
-    """'auto' = cuda > mps > cpu; anything else as torch.device understands it."""
-    if name == 'auto':
-        name = 'cuda' if torch.cuda.is_available() else 'mps' if torch.backends.mps.is_available() else 'cpu'
-    return torch.device(name)
-
-
-def precision(device, dtype):
-    """The dtype name ('auto' = bfloat16 on a GPU that supports it, else float32) and the autocast
-    context to run forward passes in."""
-    if dtype == 'auto':
-        dtype = 'bfloat16' if device.type == 'cuda' and torch.cuda.is_bf16_supported() else 'float32'
-    ctx = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device.type, dtype=getattr(torch, dtype))
-    return dtype, ctx
-
-
-def set_key(cfg, key, value, where):
-    """Type-check value against the default of key and store it; exit with a clear line if bad."""
-    if key not in cfg:
-        close = difflib.get_close_matches(key, cfg, n=1)
-        sys.exit(f"error: unknown key {key!r} in {where}" + (f"; did you mean {close[0]!r}?" if close else
-                 "; run with --help to list the keys"))
-    default = cfg[key]
-    if type(default) is float and type(value) is int:
-        value = float(value)
-    if type(value) is not type(default):
-        sys.exit(f"error: {key} expects {type(default).__name__} (like {default!r}), got {value!r} in {where}")
-    if key in CHOICES and value not in CHOICES[key]:
-        sys.exit(f"error: {key}={value!r} is not valid; choose one of: {', '.join(CHOICES[key])}")
-    cfg[key] = value
-
-
-def apply_override(cfg, arg):
-    """Apply one --key=value: strings are taken as written (--dataset=text8, --out_dir=123),
-    other values are parsed as Python literals and type-checked. Returns the key."""
-    key, eq, raw = arg.removeprefix('--').partition('=')
-    if not arg.startswith('--') or not eq:
-        sys.exit(f"error: {arg!r} is not of the form --key=value")
-    value = raw
-    if not isinstance(cfg.get(key), str):
-        try:
-            value = ast.literal_eval(raw)
-        except (ValueError, SyntaxError):
-            pass
-    set_key(cfg, key, value, arg)
-    return key
+    return {**{f.name: f.default for f in fields(GPTConfig) if f.name in MODEL_KEYS}, **configurator.keys_of(globals())}
 
 
 def parse_config(argv):
-    """Defaults, then config files (python files setting keys), then --key=value, in order.
-    Returns the config and the set of keys the command line or a config file set explicitly."""
-    cfg, given = default_config(), set()
-    for arg in argv:
-        if arg in ('-h', '--help'):
-            print(__doc__ + '\nkeys and defaults:\n' + '\n'.join(f'  --{k}={v!r}' for k, v in cfg.items()))
-            sys.exit(0)
-        if arg.startswith('--'):
-            given.add(apply_override(cfg, arg))
-        else:
-            if not os.path.isfile(arg):
-                sys.exit(f"error: config file {arg!r} not found (positional arguments are config files; "
-                         f"overrides are written --key=value)")
-            scope = {}
-            exec(open(arg).read(), scope)
-            for key, value in scope.items():
-                if not key.startswith('_') and not callable(value) and not isinstance(value, types.ModuleType):
-                    set_key(cfg, key, value, arg)
-                    given.add(key)
+    """This script's config (see configurator.py) and the keys set explicitly."""
+    cfg, given = configurator.parse(argv, default_config(), __doc__)
+    if cfg['init_from'] not in ('scratch', 'resume'):
+        sys.exit(f"error: init_from={cfg['init_from']!r}; choose scratch or resume")
     return cfg, given
 
 
-# ----------------------------------------------------------------------------- checkpoints
-
-class CheckpointError(Exception):
-    """A checkpoint that is missing, unreadable or does not match the command line."""
-
-
-def save_checkpoint(obj, path):
-    """Atomic: write a temporary file, flush it to disk, then rename over the old one. A crash
-    at any point leaves the previous checkpoint intact."""
-    tmp = path + '.tmp'
-    with open(tmp, 'wb') as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def load_checkpoint(path, map_location='cpu'):
-    if not os.path.isfile(path):
-        raise CheckpointError(f"no checkpoint at {path}; train without --init_from=resume first, "
-                              f"or point --out_dir at the run's folder")
-    try:
-        return torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as e:  # torch raises several types for truncated or foreign files
-        raise CheckpointError(f"checkpoint {path} is unreadable ({type(e).__name__}: {str(e).splitlines()[0]}); "
-                              f"it is left untouched")
-
-
-# ----------------------------------------------------------------------------- data and eval
-
-def get_batch(tokens, offsets, block_size, device):
-    x = np.stack([tokens[i:i + block_size] for i in offsets]).astype(np.int64)
-    y = np.stack([tokens[i + 1:i + 1 + block_size] for i in offsets]).astype(np.int64)
-    x, y = torch.from_numpy(x), torch.from_numpy(y)
-    if device.type == 'cuda':
-        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
-    return x.to(device), y.to(device)
-
+# ----------------------------------------------------------------------------- batches, learning rate, metrics
 
 def draw_offsets(generator, n_tokens, block_size, micro_steps, batch_size, rank, world):
     """One step's batch start offsets (micro-steps, batch) for this rank. The generator is seeded
@@ -205,25 +81,6 @@ def draw_offsets(generator, n_tokens, block_size, micro_steps, batch_size, rank,
     ranks see different data, together exactly one process's, and resume restores it exactly."""
     offsets = torch.randint(n_tokens - block_size, (micro_steps, batch_size), generator=generator)
     return offsets[rank::world]
-
-
-@torch.no_grad()
-def evaluate(model, val_tokens, cfg, device, ctx):
-    """Mean loss over the fixed validation windows: consecutive block_size windows from the start
-    of the val split, eval_tokens in all. The same tokens for every method, run and step."""
-    T = cfg['block_size']
-    n_windows = min(cfg['eval_tokens'], len(val_tokens) - 1) // T
-    model.eval()
-    total, count = 0.0, 0
-    for start in range(0, n_windows, cfg['batch_size']):
-        offsets = [w * T for w in range(start, min(start + cfg['batch_size'], n_windows))]
-        x, y = get_batch(val_tokens, offsets, T, device)
-        with ctx:
-            _, loss = model(x, y)
-        total += loss.item() * len(offsets)
-        count += len(offsets)
-    model.train()
-    return total / count
 
 
 def get_lr(it, cfg):
@@ -292,12 +149,15 @@ def main(argv):
     else:
         rank, world = 0, 1
     master = rank == 0
-    if ddp and backend == 'nccl':
-        device = torch.device(f"cuda:{int(os.environ['LOCAL_RANK'])}")
-        torch.cuda.set_device(device)
-    else:
-        device = resolve_device(cfg['device'])
-    dtype, ctx = precision(device, cfg['dtype'])
+    try:
+        if ddp and backend == 'nccl':
+            device = torch.device(f"cuda:{int(os.environ['LOCAL_RANK'])}")
+            torch.cuda.set_device(device)
+        else:
+            device = configurator.resolve_device(cfg['device'])
+        dtype, ctx = configurator.precision(device, cfg['dtype'])
+    except ValueError as e:
+        sys.exit(f"error: {e}")
     torch.manual_seed(cfg['seed'] + rank)
     try:
         if ddp and not master:
@@ -307,8 +167,7 @@ def main(argv):
             torch.distributed.barrier()
         if ckpt is not None:
             model.load_state_dict(ckpt['model'])
-        kernels_used = resolve_kernels(cfg['kernels'], device.type)
-        model.set_kernels(kernels_used, cfg['mgr_fallback_p'])
+        kernels_used = model.set_kernels(cfg['kernels'], cfg['mgr_fallback_p'])
     except (data.DataError, ValueError, RuntimeError) as e:
         sys.exit(f"error: {e}")
     if master:
@@ -360,7 +219,7 @@ def main(argv):
     t_start = t_last = time.time()
     while True:
         if master and (iter_num == cfg['max_iters'] or iter_num % cfg['eval_interval'] == 0) and iter_num != resumed_from:
-            val_loss = evaluate(raw_model, val_tokens, cfg, device, ctx)
+            val_loss = data.evaluate(raw_model, val_tokens, T, cfg['eval_tokens'], B, device, ctx)
             if not math.isfinite(val_loss):
                 stop_nonfinite('val', val_loss)
             metrics = val_metrics(val_loss, ds.char_level)
@@ -385,7 +244,7 @@ def main(argv):
         offsets = draw_offsets(data_gen, len(train_tokens), T, G, B, rank, world)
         loss_sum = torch.zeros((), device=device)
         for micro, micro_offsets in enumerate(offsets):
-            x, y = get_batch(train_tokens, micro_offsets.tolist(), T, device)
+            x, y = data.get_batch(train_tokens, micro_offsets.tolist(), T, device)
             if ddp:  # all-reduce gradients on the last micro-step only
                 model.require_backward_grad_sync = micro == len(offsets) - 1
             with ctx:

@@ -1,0 +1,139 @@
+"""
+What the tests share: tiny models, fake sublayers, the backends to run the routing on, and the
+real-text and script helpers. Run the suite with `python -m pytest -q` from the repository root.
+
+Real-text tests read ../shared/data (the project's shared data slices); in a fresh clone without
+it they train on the embedded corpus instead, and dataset-specific tests skip with the reason.
+Every test that writes gets its own temporary folders (tmp_path): nothing is written into the
+repository or the working directory.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+# The Triton kernels' tests run them compiled on CUDA tensors where there is a GPU; without one,
+# on CPU tensors through Triton's interpreter, chosen before triton is imported (by kernels.py).
+KERNEL_DEVICE = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
+if KERNEL_DEVICE.type == 'cpu':
+    os.environ.setdefault('TRITON_INTERPRET', '1')
+
+import data  # noqa: E402  (after the interpreter switch above)
+import kernels  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+from residuals import RESIDUALS  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent
+SHARED_DATA = ROOT.parent / 'shared' / 'data'
+TEXT8 = SHARED_DATA / 'text8_head.txt'
+README = ROOT / 'README.md'
+REAL_TEXT = str(TEXT8) if TEXT8.is_file() else data.EMBEDDED  # fresh clone: the embedded corpus
+METHODS = sorted(RESIDUALS)
+
+TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=27)
+TINY_TRAIN = ['--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=32', '--batch_size=32',
+              '--learning_rate=1e-2', '--min_lr=1e-3', '--warmup_iters=5', '--eval_tokens=4096']
+
+needs_triton = pytest.mark.skipif(kernels.triton is None, reason='triton is not installed (pip install triton; Linux)')
+# every way to run the routing on CPU tensors: the classes as written, their PyTorch twins, and the
+# Triton kernels through the interpreter (on a GPU machine the kernels' own tests run them compiled)
+BACKENDS = ['reference', 'torch', pytest.param('triton', marks=[needs_triton, pytest.mark.skipif(
+    KERNEL_DEVICE.type == 'cuda', reason="CPU tensors; with a GPU, test_kernels.py runs the kernels compiled")])]
+
+
+def tiny_model(residual, seed=0, **overrides):
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(**{**TINY, 'residual': residual, **overrides}))
+
+
+def randomize_routing(model, seed=1):
+    """Give every routing parameter (of a GPT, or of a bare residual module) a random value, so no
+    zero init can hide a mixing bug."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in getattr(model, 'residual', model).parameters():
+            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.5)
+
+
+def routing(residual, n_layer, C=16, **knobs):
+    """A bare residual module (no transformer around it)."""
+    return RESIDUALS[residual](GPTConfig(**{**TINY, 'n_layer': n_layer, 'n_embd': C, 'residual': residual, **knobs}))
+
+
+def fake_sublayers(updates, inputs):
+    """Sublayers that record their input and return fixed updates, to read off what a method routes."""
+    def make(u):
+        def sublayer(h):
+            inputs.append(h)
+            return u
+        return sublayer
+    return [make(u) for u in updates]
+
+
+def rel_rms(got, want):
+    """RMS of the difference over the RMS of `want` (the plain RMS where `want` is all zero)."""
+    diff, scale = (got.double() - want.double()).pow(2).mean().sqrt(), want.double().pow(2).mean().sqrt()
+    return (diff / scale if scale > 0 else diff).item()
+
+
+def unigram_entropy(tokens):
+    counts = np.bincount(np.asarray(tokens), minlength=1).astype(np.float64)
+    probs = counts[counts > 0] / counts.sum()
+    return float(-(probs * np.log(probs)).sum())
+
+
+def need_shared(path):
+    if not path.is_file():
+        pytest.skip(f"{path} is absent: the shared data slices live beside the repository in ../shared/data")
+    return path
+
+
+def run_cli(script, *args, cwd, env=None):
+    """Run one of the scripts as a user would, in the given (temporary) working directory. No time
+    limit: a slow or busy machine must not fail a test."""
+    return subprocess.run([sys.executable, str(ROOT / script), *args], cwd=cwd, capture_output=True, text=True,
+                          env=env)
+
+
+def assert_clean_error(result, *needles):
+    """A bad input's answer: a non-zero exit and at most a few lines on stderr, the last one starting
+    with 'error:', no traceback."""
+    assert result.returncode != 0
+    assert 'Traceback' not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines and lines[-1].startswith('error:') and len(lines) <= 5, result.stderr
+    for needle in needles:
+        assert needle in result.stderr, result.stderr
+
+
+def exit_message(main, argv):
+    """The message of the SystemExit that main(argv) stops with (in-process, for bad input)."""
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code not in (0, None)
+    return str(stop.value.code)
+
+
+def read_train_losses(log_path):
+    losses = {}
+    for line in open(log_path):
+        record = __import__('json').loads(line)
+        if 'loss' in record:
+            losses[record['iter']] = record['loss']
+    return losses
+
+
+@pytest.fixture(scope='session')
+def data_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp('data'))
+
+
+@pytest.fixture
+def few_programs(monkeypatch):
+    """At most 5 programs in the reducing backward kernels, so that on a few tokens each program
+    already loops over several of them and writes a partial sum (on a GPU: up to 512)."""
+    monkeypatch.setattr(kernels, 'reduction_programs', lambda n_tokens: min(n_tokens, 5))

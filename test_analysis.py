@@ -1,0 +1,125 @@
+"""
+analyze.py (the papers' diagnostics, each checked on a case whose answer is known by hand) and
+sweep.py (grids of runs, resuming, and the results report).
+"""
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import analyze
+import sweep
+import train
+from conftest import TINY_TRAIN, randomize_routing, run_cli, tiny_model
+from model import load_checkpoint, save_checkpoint
+
+
+def test_composite_gain_of_known_mixings():
+    """Identity mixing has gain 1 at every depth; a diagonal (2, 1) mixing doubles the forward and
+    backward gain per sublayer; one token's bad mixing is the worst token's gain."""
+    eye = torch.eye(3).expand(2, 5, 3, 3)
+    assert analyze.composite_gain([eye] * 4) == {'forward': [1.0] * 4, 'backward': [1.0] * 4}
+    scale = torch.diag(torch.tensor([2.0, 1.0])).expand(1, 4, 2, 2).clone()
+    gains = analyze.composite_gain([scale] * 3)
+    assert gains['forward'] == [2.0, 4.0, 8.0] and gains['backward'] == [2.0, 4.0, 8.0]
+    mixing = torch.eye(2).repeat(1, 3, 1, 1)
+    mixing[0, 1] = torch.tensor([[1.0, -3.0], [0.5, 0.0]])  # row sums 4, 0.5; column sums 1.5, 3
+    gains = analyze.composite_gain([mixing])
+    assert gains['forward'] == [4.0] and gains['backward'] == [3.0]
+
+
+def test_mhc_lite_composite_gain_is_one_and_hc_is_not():
+    """mHC-lite's H_res is doubly stochastic, so every product of them has gain exactly 1 (up to
+    rounding), even with random routing parameters; HC's free A_r has no such bound."""
+    idx = torch.randint(27, (2, 16), generator=torch.Generator().manual_seed(0))
+    for residual, bounded in (('mhc_lite', True), ('hc', False)):
+        model = tiny_model(residual, n_layer=4)
+        randomize_routing(model)
+        rec = analyze.record(model, idx)
+        gains = analyze.composite_gain(rec['mixing'])
+        assert len(rec['mixing']) == 8 and len(rec['streams']) == 8
+        if bounded:
+            assert max(gains['forward'] + gains['backward']) == pytest.approx(1.0, abs=1e-5)
+        else:
+            assert max(gains['forward']) > 1.1
+
+
+def test_stream_angles_of_known_streams():
+    """0 for identical directions, 1/2 for orthogonal, 1 for opposite; a single stream has no pairs."""
+    e = torch.randn(1, 2, 3, 8)
+    assert analyze.stream_angles([e.expand(3, 2, 3, 8), e[:1]]) == [0.0, 0.0]
+    a, b = torch.zeros(1, 1, 4), torch.zeros(1, 1, 4)
+    a[..., 0], b[..., 1] = 1.0, 1.0
+    assert analyze.stream_angles([torch.stack([a, b])])[0] == pytest.approx(0.5)
+    assert analyze.stream_angles([torch.stack([a, -a])])[0] == pytest.approx(1.0)
+
+
+def test_mgr_gates_recorded_at_init_are_the_depth_scaled_gate():
+    model = tiny_model('mgr', n_layer=4, mgr_streams=3)
+    rec = analyze.record(model, torch.randint(27, (2, 8)))
+    gated = 8 - 2
+    target = torch.sigmoid(torch.tensor(-3.0)).item() * math.sqrt(21 / gated)
+    assert len(rec['gates']) == gated and all(torch.allclose(b, torch.full_like(b, target)) for b in rec['gates'])
+    assert [len(s) for s in rec['streams']] == [1, 2] + [3] * 6  # the streams each sublayer reads
+
+
+def test_analyze_reports_the_diagnostics_and_pruning_a_silent_layer_changes_nothing(tmp_path, data_dir):
+    folders = []
+    for residual in ('prenorm', 'wav', 'mgr', 'hc'):
+        folder = tmp_path / residual
+        train.main([f'--residual={residual}', f'--out_dir={folder}', f'--data_dir={data_dir}', '--max_iters=10',
+                    '--eval_interval=10', *TINY_TRAIN])
+        folders.append(str(folder))
+    ckpt = load_checkpoint(str(tmp_path / 'prenorm' / 'ckpt.pt'))
+    for name in ('transformer.h.1.attn.c_proj.weight', 'transformer.h.1.mlp.c_proj.weight'):
+        ckpt['model'][name].zero_()  # layer 1's updates are now exactly zero
+    save_checkpoint(ckpt, str(tmp_path / 'prenorm' / 'ckpt.pt'))
+    analyze.main([f'--out_dir={",".join(folders)}', f'--report_dir={tmp_path / "report"}', '--eval_tokens=2048'])
+    prenorm, wav, mgr, hc = json.load(open(tmp_path / 'report' / 'analysis.json'))
+    assert prenorm['pruning']['increase'][1] == 0.0 and prenorm['pruning']['increase'][0] != 0.0
+    assert len(prenorm['activations']['rms']) == 4 and 'routing' not in prenorm and 'streams' not in prenorm
+    assert prenorm['activations']['rms'][2] > 0 and all(m >= r for m, r in zip(prenorm['activations']['max_abs'],
+                                                                                 prenorm['activations']['rms']))
+    assert len(wav['routing']['mean_weights']) == 5  # 4 sublayers and the output mixer
+    assert all(sum(w) == pytest.approx(1.0, abs=1e-5) for w in wav['routing']['mean_weights'])
+    assert wav['routing']['detail_weight'][0] == 0.0 and 0 < wav['routing']['detail_weight'][1] < 1
+    assert len(mgr['streams']['angular_distance']) == 4 and all(0 <= a <= 1 for a in mgr['streams']['angular_distance'])
+    assert len(mgr['gates']) == 4 - 3 and len(mgr['gates'][0]) == 4
+    assert len(hc['composite_gain']['forward']) == 4 and hc['composite_gain']['forward'][0] > 0
+    plots = {p.name for p in (tmp_path / 'report').glob('*.png')}
+    if importlib.util.find_spec('matplotlib'):  # optional: without it only the JSON is written
+        assert plots == {'activations.png', 'routing.png', 'streams.png', 'pruning.png', 'composite_gain.png',
+                         'gates.png'}
+    else:
+        assert not plots
+
+
+def test_sweep_runs_a_grid_skips_finished_runs_resumes_interrupted_ones_and_reports(tmp_path, data_dir, monkeypatch):
+    tiny = ['--dataset=pydoc', f'--data_dir={data_dir}', '--max_iters=4', '--eval_interval=2', '--n_layer=1',
+            *TINY_TRAIN]
+    monkeypatch.setitem(sweep.GRIDS, 'tiny', dict(configs=[tiny], variants=[['--residual=prenorm'],
+                                                                            ['--residual=block_attnres']],
+                                                  seeds=[0, 1]))
+    runs = list(sweep.runs_of('tiny', str(tmp_path)))
+    assert len(runs) == 4 and len({r['out_dir'] for r in runs}) == 4
+    sweep.execute(runs[:3], jobs=2)
+    assert [sweep.state(r) for r in runs] == ['done', 'done', 'done', 'new']
+    # an interrupted run: a checkpoint at iter 2 and no 'done' event
+    result = run_cli('train.py', *runs[3]['args'], '--max_iters=2', cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    log = (Path(runs[3]['out_dir']) / 'log.jsonl')
+    log.write_text(''.join(line for line in log.read_text().splitlines(True) if '"done"' not in line))
+    assert sweep.state(runs[3]) == 'interrupted' and '--init_from=resume' in sweep.command(runs[3])
+    sweep.execute(runs, jobs=1)  # runs only the interrupted one
+    assert all(sweep.state(r) == 'done' for r in runs)
+    finals = {(r['method'], r['seed']): sweep.read_log(r['out_dir'])[-1]['val_loss'] for r in runs}
+    markdown = sweep.report('tiny', str(tmp_path))
+    prenorm = [finals[('prenorm', s)] for s in (0, 1)]
+    assert f"{np.mean(prenorm):.4f} +- {np.std(prenorm, ddof=1):.4f}" in markdown
+    ppl_change = 100 * (math.exp(np.mean(prenorm) - np.mean([finals[('block_attnres', s)] for s in (0, 1)])) - 1)
+    assert f"{ppl_change:+.2f}%" in markdown and 'the spread' in markdown
+    assert (tmp_path / 'tiny' / 'results.md').read_text() == markdown

@@ -1,0 +1,278 @@
+"""
+kernels.py: every fast path against the maths it speeds up. DepthMix's hand-written backward
+against autograd and finite differences; the Triton kernels (compiled on a GPU, interpreted on a
+CPU) against DepthMix and the plain MGR in float64; MGR's inverting backward; memory; compilation.
+The equivalences of whole methods on every backend are in test_residuals.py.
+"""
+import os
+
+import numpy as np
+import pytest
+import torch
+from torch.func import functional_call
+
+import data
+import kernels
+from conftest import (KERNEL_DEVICE, REAL_TEXT, assert_clean_error, fake_sublayers, needs_triton, randomize_routing,
+                      rel_rms, routing, run_cli, tiny_model)
+from residuals import DepthAttention, rms_norm
+
+
+@pytest.mark.parametrize('S,C,m,with_bias', [(1, 7, 1, False), (4, 13, 3, True), (11, 16, 2, True)])
+def test_depth_mix_hand_written_backward_matches_autograd(S, C, m, with_bias):
+    """DepthMix (m queries, with the log-sum-exp for online merging) against the reference read of
+    residuals.py (DepthAttention, plain autograd), in value and in every gradient, and by finite
+    differences (gradcheck), in float64."""
+    gen = torch.Generator().manual_seed(S)
+    sources = [torch.randn(2, 3, C, dtype=torch.float64, generator=gen, requires_grad=True) for _ in range(S)]
+    queries = torch.randn(m, C, dtype=torch.float64, generator=gen, requires_grad=True)
+    bias = torch.randn(m, S, dtype=torch.float64, generator=gen, requires_grad=True) if with_bias else None
+    inputs = [queries] + ([bias] if with_bias else []) + sources
+
+    def mix(q, *rest):
+        b, srcs = (rest[0], rest[1:]) if with_bias else (None, rest)
+        return kernels.DepthMix.apply(q, b, *srcs)
+    assert torch.autograd.gradcheck(mix, inputs)
+    got_mixed, got_lse = kernels.DepthMix.apply(queries, bias, *sources)
+    grad_mixed = torch.randn(m, 2, 3, C, dtype=torch.float64, generator=gen)
+    grad_lse = torch.randn(m, 2, 3, dtype=torch.float64, generator=gen)
+    got = torch.autograd.grad((got_mixed * grad_mixed).sum() + (got_lse * grad_lse).sum(), inputs)
+    read, want_total = DepthAttention(m, C).double(), 0
+    for j in range(m):  # every source read as a biased one (a "detail"), to give each its bias
+        b = bias[j] if with_bias else torch.zeros(S, dtype=torch.float64)
+        want_mixed = functional_call(read, {'queries': queries}, (j, [], sources, b))
+        assert torch.allclose(got_mixed[j], want_mixed)
+        want_total = want_total + (want_mixed * grad_mixed[j]).sum()
+    ref_logits = torch.einsum('sbtc,mc->msbt', rms_norm(torch.stack(sources)), queries)
+    ref_logits = ref_logits + (0 if bias is None else bias[:, :, None, None])
+    ref_lse = torch.logsumexp(ref_logits, dim=1)
+    assert torch.allclose(got_lse, ref_lse)
+    want = torch.autograd.grad(want_total + (ref_lse * grad_lse).sum(), inputs)
+    assert all(torch.allclose(a, b) for a, b in zip(got, want))
+
+
+def test_full_attnres_keeps_no_stacked_copies_for_backward():
+    """With the fast twins (the default), saved activations grow linearly with depth, not as L^2:
+    16-layer Full AttnRes keeps about what PreNorm keeps (each source once), not a stack of up to
+    33 sources per sublayer (as the reference does)."""
+    from bench import saved_bytes
+    idx = torch.randint(27, (2, 32))
+    saved = {r: saved_bytes(tiny_model(r, n_layer=16), idx, idx) for r in ('prenorm', 'attnres', 'wav')}
+    assert saved['attnres'] < 1.5 * saved['prenorm'] and saved['wav'] < 2.0 * saved['prenorm']
+
+
+@needs_triton
+@pytest.mark.parametrize('S,m,C,T,with_bias', [(1, 1, 7, 3, False), (2, 1, 20, 5, True), (13, 3, 48, 7, True),
+                                               (40, 2, 33, 5, False), (40, 6, 100, 3, True), (2, 2, 24, 1, True)])
+def test_depth_mix_kernel_equals_its_reference(S, m, C, T, with_bias, few_programs):
+    """The Triton depth_mix (float32; interpreted on CPU) against DepthMix, the PyTorch reference, run in
+    float64 on the same inputs: mixed, lse and the gradients of the queries, the bias and the
+    sources (all S as one tensor) within relative RMS 1e-5. (The float32 reference is itself up to
+    ~1e-5 from float64 on single sources, so float64 is the oracle.)"""
+    gen = torch.Generator().manual_seed(S * 100 + T)
+    sources = [torch.randn(2, T, C, generator=gen) * (1 + s % 3) for s in range(S)]
+    queries = torch.randn(m, C, generator=gen)
+    bias = torch.randn(m, S, generator=gen) if with_bias else None
+    grad_mixed, grad_lse = torch.randn(m, 2, T, C, generator=gen), torch.randn(m, 2, T, generator=gen)
+
+    def run(mix, dtype):
+        q, *srcs = [t.to(KERNEL_DEVICE, dtype).requires_grad_() for t in [queries] + sources]
+        b = bias.to(KERNEL_DEVICE, dtype).requires_grad_() if with_bias else None
+        mixed, lse = mix(q, b, srcs)[:2]
+        grads = torch.autograd.grad((mixed * grad_mixed.to(KERNEL_DEVICE, dtype)).sum()
+                                    + (lse * grad_lse.to(KERNEL_DEVICE, dtype)).sum(),
+                                    [q] + ([b] if with_bias else []) + srcs)
+        return [mixed, lse, grads[0]] + ([grads[1]] if with_bias else []) + [torch.stack(grads[-S:])]
+    got = run(kernels.triton_depth_mix, torch.float32)
+    want = run(lambda q, b, srcs: kernels.DepthMix.apply(q, b, *srcs), torch.float64)
+    for name, a, b in zip(['mixed', 'lse', 'd queries'] + ['d bias'] * with_bias + ['d sources'], got, want):
+        assert a.dtype == torch.float32 and rel_rms(a, b) <= 1e-5, name
+
+
+@needs_triton
+def test_depth_mix_kernel_promotes_sources_of_mixed_dtypes():
+    """Under autocast a pool mixes dtypes (e float32, updates bfloat16); the kernel reads one
+    pointer type, so it must promote as DepthMix's stack does (here: float32 and float64)."""
+    gen = torch.Generator().manual_seed(0)
+    sources = [torch.randn(1, 3, 10, generator=gen).to(KERNEL_DEVICE) for _ in range(3)]
+    queries = torch.randn(2, 10, generator=gen).to(KERNEL_DEVICE)
+    mixed = kernels.triton_depth_mix(queries, None, [sources[0].double()] + sources[1:])[0]
+    assert mixed.dtype == torch.float64
+    assert rel_rms(mixed, kernels.DepthMix.apply(queries.double(), None, *[v.double() for v in sources])[0]) <= 1e-6
+
+
+def mgr_run(n, C, T, gate, backend, fallback_p, dtype, seed=0):
+    """An MGR residual over 2n+2 random tanh sublayers with randomised routing: output and the
+    gradients of e and of every routing parameter."""
+    gen = torch.Generator().manual_seed(seed)
+    router = routing('mgr', n + 1, C=C, n_head=1, mgr_streams=n, mgr_gate=gate)
+    randomize_routing(router, seed)
+    router.to(KERNEL_DEVICE, dtype)
+    weights = [torch.randn(C, C, generator=gen).to(KERNEL_DEVICE, dtype) * C ** -0.5 for _ in range(2 * n + 2)]
+    e = torch.randn(2, T, C, generator=gen).to(KERNEL_DEVICE, dtype).requires_grad_()
+    out = kernels.route(router, e, [lambda h, w=w: 3 * torch.tanh(h @ w) for w in weights], backend, fallback_p)
+    grads = torch.autograd.grad((out * torch.randn(out.shape, generator=gen).to(KERNEL_DEVICE, dtype)).sum(),
+                                [e] + list(router.parameters()))
+    return [out, *grads]
+
+
+@needs_triton
+@pytest.mark.parametrize('n,C,T,gate,p', [(1, 7, 3, 'competitive', 1), (3, 20, 7, 'independent', 0),
+                                          (4, 33, 5, 'competitive', 1), (4, 48, 3, 'independent', 2),
+                                          (5, 40, 3, 'competitive', 5)])
+def test_mgr_step_kernel_and_inversion_equal_the_plain_backward(n, C, T, gate, p, few_programs):
+    """MGR through the fused step, Triton and its PyTorch twin, with the inverting
+    backward (the p largest gates kept) and without, against the plain-autograd MGR in float64:
+    the output and every gradient within relative RMS 1e-5."""
+    want = mgr_run(n, C, T, gate, 'reference', -1, torch.float64)
+    for backend, fallback_p in [('torch', p), ('triton', p), ('triton', -1)]:
+        got = mgr_run(n, C, T, gate, backend, fallback_p, torch.float32)
+        errors = [rel_rms(a, b) for a, b in zip(got, want)]
+        assert max(errors) <= 1e-5, (backend, fallback_p, errors)
+
+
+@pytest.mark.filterwarnings('ignore::RuntimeWarning')  # p = 0 divides by 1 - beta = 0
+@pytest.mark.parametrize('backend', ['torch', pytest.param('triton', marks=needs_triton)])
+def test_mgr_fallback_keeps_the_streams_the_inversion_cannot_rebuild(backend, few_programs):
+    """Competitive gates with no keep weight and one dominant stream per token: its beta is ~1, so
+    s = (s' - beta u) / (1 - beta) loses it. Keeping that stream's original (p = 1), the gradients
+    are as close to float64's as the plain float32 backward's are (gates this sharp cost float32
+    itself ~3e-5 here); without it (p = 0) they are not even finite."""
+    def run(fallback_p, dtype):
+        gen = torch.Generator().manual_seed(0)
+        router = routing('mgr', 4, C=24, mgr_streams=3)
+        randomize_routing(router)
+        with torch.no_grad():
+            router.gates.bias.fill_(-30.0)  # the keep logit: gates sum to 1
+            router.gates.queries.mul_(200.0)  # one stream wins the gate at every token
+        router.to(KERNEL_DEVICE, dtype)
+        e = torch.randn(2, 5, 24, generator=gen).to(KERNEL_DEVICE, dtype).requires_grad_()
+        updates = [(torch.randn(2, 5, 24, generator=gen) * 3).to(KERNEL_DEVICE, dtype).requires_grad_()
+                   for _ in range(8)]
+        out = kernels.route(router, e, fake_sublayers(updates, []), backend if fallback_p >= 0 else 'reference', fallback_p)
+        gout = torch.randn(out.shape, generator=gen).to(KERNEL_DEVICE, dtype)
+        return torch.autograd.grad((out * gout).sum(), [e] + updates)
+    want = run(-1, torch.float64)
+    error = lambda fallback_p: max(rel_rms(a, b) for a, b in zip(run(fallback_p, torch.float32), want))
+    assert error(1) <= error(-1) + 1e-5
+    assert not error(0) <= 1e-3
+
+
+def test_mgr_inversion_keeps_at_least_3x_less_than_the_plain_backward():
+    """Bytes saved for backward, 4 streams: the excess over prenorm with the inverting backward is
+    under a third of the plain backward's (bench.py reports the full-size figures)."""
+    from bench import saved_bytes
+    idx = torch.randint(27, (2, 32))
+    saved = {}
+    for name, fallback_p in [('prenorm', 1), ('plain', -1), ('p=1', 1), ('p=0', 0)]:
+        model = tiny_model('prenorm' if name == 'prenorm' else 'mgr', n_layer=6, n_embd=64)
+        model.set_kernels('torch', fallback_p)
+        saved[name] = saved_bytes(model, idx, idx)
+    excess = {k: v - saved['prenorm'] for k, v in saved.items()}
+    assert excess['plain'] > 3 * excess['p=1'] > 3 * excess['p=0'] > 0
+
+
+def test_mgr_inverting_backward_runs_twice_and_refuses_to_start_at_an_inner_step():
+    """Every backward through the model starts at the last step, which keeps its output, so a
+    retained graph backpropagates again to the same gradients; a backward from an inner step's
+    output has nothing to rebuild from and says so."""
+    model = tiny_model('mgr', n_layer=3)
+    randomize_routing(model)
+    idx = torch.randint(27, (2, 8))
+    _, loss = model(idx, idx)
+    grads = []
+    for _ in range(2):
+        loss.backward(retain_graph=True)
+        grads.append([p.grad.clone() for p in model.parameters()])
+        model.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    router, inputs = routing('mgr', 3, mgr_streams=4), []
+    randomize_routing(router)
+    gen = torch.Generator().manual_seed(0)
+    kernels.route(router, torch.randn(1, 2, 16, generator=gen),
+                  fake_sublayers([torch.randn(1, 2, 16, generator=gen)] * 6, inputs), 'torch', 1)
+    with pytest.raises(RuntimeError, match='mgr_fallback_p=-1'):
+        inputs[4].sum().backward()  # the input of sublayer 4, made by the (inner) step of sublayer 3
+
+
+@needs_triton
+@pytest.mark.parametrize('residual', ['block_attnres', 'wav', 'mgr'])
+def test_training_with_kernels_on_and_off_gives_the_same_losses(residual, data_dir):
+    """A few AdamW steps on real text with the Triton kernels and with plain PyTorch
+    as written (the reference): the same losses within 1e-4."""
+    ds = data.load(REAL_TEXT, data_dir)
+    text = torch.from_numpy(ds.splits['train'][:8192].astype(np.int64)).to(KERNEL_DEVICE)
+    starts = torch.randint(len(text) - 9, (4, 2), generator=torch.Generator().manual_seed(0))
+    losses = {}
+    for backend, fallback_p in [('reference', 1), ('triton', 1)]:
+        model = tiny_model(residual, n_layer=3, n_embd=24, block_size=8, vocab_size=ds.vocab_size,
+                           res_block_size=2).to(KERNEL_DEVICE)
+        model.set_kernels(backend, fallback_p)
+        optimizer = model.configure_optimizers(0.1, 1e-2, (0.9, 0.99), KERNEL_DEVICE.type)
+        losses[backend] = []
+        for batch in starts:
+            x = torch.stack([text[s:s + 8] for s in batch])
+            y = torch.stack([text[s + 1:s + 9] for s in batch])
+            _, loss = model(x, y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses[backend].append(loss.item())
+    assert losses['reference'][-1] < losses['reference'][0]  # it learns, so the kernels' gradients matter
+    assert max(abs(a - b) for a, b in zip(losses['reference'], losses['triton'])) <= 1e-4
+
+
+@needs_triton
+@pytest.mark.parametrize('residual', ['block_attnres', 'wav', 'mgr'])
+def test_kernels_compile_without_graph_breaks(residual):
+    """torch.compile(fullgraph=True) traces the models with the kernels as opaque custom ops
+    (aot_eager: the same tracing as inductor, without generating code) and gives eager's loss
+    and gradients."""
+    model = tiny_model(residual, n_layer=2, n_embd=24, block_size=8)
+    randomize_routing(model)
+    model.to(KERNEL_DEVICE).set_kernels('triton')
+    idx = torch.randint(27, (2, 7), generator=torch.Generator().manual_seed(0)).to(KERNEL_DEVICE)
+    grads = []
+    for run in (model, torch.compile(model, fullgraph=True, backend='aot_eager')):
+        _, loss = run(idx, idx)
+        loss.backward()
+        grads.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+        model.zero_grad()
+    assert torch.allclose(grads[0][0], grads[1][0], atol=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads[0][1], grads[1][1]))
+
+
+@needs_triton
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='bfloat16 needs the compiled kernels on CUDA '
+                    '(the interpreter has no bf16 arithmetic)')
+@pytest.mark.parametrize('residual', ['block_attnres', 'wav', 'mgr'])
+def test_kernels_under_bfloat16_autocast_match_torch(residual):
+    """Under autocast the kernels see what training gives them: a float32 embedding beside
+    bfloat16 updates, float32 queries. Loss within 1e-2 and gradients (all parameters together)
+    within relative RMS 5e-2 of the PyTorch path on the same model and batch."""
+    model = tiny_model(residual, n_layer=3, n_embd=64, block_size=32, res_block_size=2).to(KERNEL_DEVICE)
+    randomize_routing(model)
+    idx = torch.randint(27, (4, 32), generator=torch.Generator().manual_seed(0)).to(KERNEL_DEVICE)
+    results = []
+    for backend in ('torch', 'triton'):
+        model.set_kernels(backend)
+        with torch.autocast(device_type='cuda', dtype=torch.bfloat16):
+            _, loss = model(idx, idx)
+        loss.backward()
+        results.append((loss.item(), torch.cat([p.grad.flatten() for p in model.parameters()])))
+        model.zero_grad()
+    (loss_torch, grads_torch), (loss_triton, grads_triton) = results
+    assert abs(loss_triton - loss_torch) <= 1e-2 * abs(loss_torch)
+    assert rel_rms(grads_triton, grads_torch) <= 5e-2
+
+
+def test_kernels_knob_errors_are_clear(tmp_path):
+    assert kernels.resolve('auto', 'cpu') == 'torch' and kernels.resolve('torch', 'cuda') == 'torch'
+    assert kernels.resolve('reference', 'cuda') == 'reference'
+    with pytest.raises(ValueError, match='choose one of: auto, reference, torch, triton'):
+        kernels.resolve('cuda', 'cpu')
+    result = run_cli('train.py', '--kernels=triton', '--device=cpu', '--max_iters=1', f'--out_dir={tmp_path / "o"}',
+                     cwd=tmp_path, env={**os.environ, 'TRITON_INTERPRET': '0'})
+    wanted = 'set TRITON_INTERPRET=1' if kernels.triton is not None else 'pip install triton'
+    assert_clean_error(result, 'error: kernels=triton', wanted)
+    assert not (tmp_path / 'o').exists()
