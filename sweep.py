@@ -19,6 +19,8 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+from residuals import RESIDUALS
+
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CHAR_METHODS = ['prenorm', 'rezero', 'layerscale', 'block_attnres', 'wav']
 FINEWEB_VARIANTS = [['--residual=prenorm'], ['--residual=mhc_lite'], ['--residual=block_attnres'],
@@ -31,6 +33,14 @@ GRIDS = {
     'cpu_trend': dict(configs=[['config/cpu_text8.py', f'--n_layer={n}'] for n in (16, 8, 4)],
                       variants=[[f'--residual={r}'] for r in ('prenorm', 'block_attnres', 'wav')],
                       seeds=[0, 1, 2]),
+    # the learning rate of cpu_methods: prenorm and block_attnres at four rates, one seed
+    'cpu_lr': dict(configs=[['config/cpu_methods.py']],
+                   variants=[[f'--residual={r}', f'--learning_rate={lr}', f'--min_lr={lr / 10:g}']
+                             for lr in (3e-3, 6e-3, 1e-2, 2e-2) for r in ('prenorm', 'block_attnres')],
+                   seeds=[0]),
+    # every registered method at one CPU config, three seeds (about 2 hours with --jobs=2 on 2 cores)
+    'cpu_methods': dict(configs=[['config/cpu_methods.py']],
+                        variants=[[f'--residual={r}'] for r in RESIDUALS], seeds=[0, 1, 2]),
     # the WAV paper's character-level grid
     'char': dict(configs=[[f'config/{ds}_{n}l.py'] for ds in ('text8', 'tinystories') for n in (12, 24, 48)],
                  variants=[[f'--residual={r}'] for r in CHAR_METHODS], seeds=[0, 1, 2]),
