@@ -256,6 +256,8 @@ def plot(results, folder):
 
 def main(argv):
     cfg, _ = configurator.parse(argv, configurator.keys_of(globals()), __doc__)
+    configurator.check(cfg, {'batch_size': (lambda v: v >= 1, 'at least 1'),
+                             'eval_tokens': (lambda v: v >= 1, 'at least 1')})
     try:
         results = [analyze(os.path.join(folder, cfg['ckpt_name']), cfg['batch_size'], cfg['eval_tokens'])
                    for folder in cfg['out_dir'].split(',')]

@@ -60,6 +60,9 @@ def saved_bytes(model, x, y):
 
 def main(argv):
     cfg, _ = configurator.parse(argv, configurator.keys_of(globals()), __doc__)
+    configurator.check(cfg, {'steps': (lambda v: v >= 1, 'at least 1'), 'warmup': (lambda v: v >= 0, 'at least 0'),
+                             'vocab_size': (lambda v: v >= 2, 'at least 2'),
+                             'mgr_fallback_p': (lambda v: v >= -1, '-1 (no inversion) or at least 0')})
     if cfg['config'] not in CONFIGS:
         sys.exit(f"error: config={cfg['config']!r}; choose one of: {', '.join(CONFIGS)}")
     names = ['prenorm'] + [m for m in cfg['methods'].split(',') if m and m != 'prenorm']

@@ -137,3 +137,31 @@ def few_programs(monkeypatch):
     """At most 5 programs in the reducing backward kernels, so that on a few tokens each program
     already loops over several of them and writes a partial sum (on a GPU: up to 512)."""
     monkeypatch.setattr(kernels, 'reduction_programs', lambda n_tokens: min(n_tokens, 5))
+
+
+@pytest.fixture(autouse=True)
+def in_a_temporary_directory(tmp_path, monkeypatch):
+    """Every test runs in its own temporary working directory, so that a default path (out/, data/)
+    never lands in the repository or in a folder a user already has."""
+    monkeypatch.chdir(tmp_path)
+
+
+def repository_files():
+    skip = {'.git', '.venv', '__pycache__', '.pytest_cache'}
+    files = {}
+    for folder, dirs, names in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if d not in skip]
+        for name in names:
+            path = os.path.join(folder, name)
+            files[os.path.relpath(path, ROOT)] = os.stat(path).st_mtime_ns
+    return files
+
+
+@pytest.fixture(scope='session', autouse=True)
+def the_repository_is_left_as_it_was():
+    """After the whole suite, no file of the repository is new or rewritten."""
+    before = repository_files()
+    yield
+    after = repository_files()
+    changed = sorted(path for path in after if before.get(path) != after[path])
+    assert not changed, f"the tests wrote into the repository: {changed[:10]}"

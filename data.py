@@ -5,7 +5,7 @@ Datasets as flat token files (numpy memmaps) with JSON metadata, prepared once u
     data_dir/NAME/meta.json                         vocabulary and facts (never pickle)
     data_dir/downloads/                             the downloaded files
 
-    python data.py NAME [--source=PATH_OR_URL] [--data_dir=DIR] [--shards=N]
+    python data.py NAME [--source=PATH] [--data_dir=DIR] [--shards=N]
 
 NAME:
     pydoc        the embedded default: the Python documentation's topic texts, shipped with every
@@ -15,8 +15,12 @@ NAME:
     fineweb      GPT-2 token shards of FineWeb-10BT (--shards=N of them, plus the val shard)
     PATH         any local UTF-8 text file, char level, last 10% for validation
 
---source takes a local file (or folder, for fineweb) instead of the download, for offline
-machines. Downloads go to a .part file, resume when interrupted, are verified, then renamed.
+--source prepares from a local file (or folder) instead of the download, for offline machines; a
+prepared dataset is prepared again when --source names another file than the one it came from.
+text8 is a plain download (a .part file that a rerun resumes, size- and md5-checked); TinyStories
+and FineWeb come from the Hugging Face Hub through huggingface_hub (resumable, cached, size-checked,
+honouring HF_ENDPOINT mirrors and HF_TOKEN). train.py downloads text8 (31 MB) when it is missing,
+but not the multi-GB TinyStories and FineWeb: it names the command to run instead.
 """
 import hashlib
 import json
@@ -30,6 +34,8 @@ import zipfile
 
 import numpy as np
 import torch
+from huggingface_hub import hf_hub_download
+from huggingface_hub.utils import logging as hf_logging
 from tqdm import tqdm
 
 EMBEDDED = 'pydoc'
@@ -41,14 +47,15 @@ TEXT8_CHARS = 100_000_000
 TEXT8_MD5 = '3bea1919949baf155f99411df5fada7e'  # of the unzipped text
 TEXT8_VOCAB = ' abcdefghijklmnopqrstuvwxyz'
 
-TINYSTORIES_URL = 'https://huggingface.co/datasets/roneneldan/TinyStories/resolve/main/'
+TINYSTORIES_REPO = 'roneneldan/TinyStories'  # a dataset on the Hugging Face Hub
 TINYSTORIES_FILES = {'train': ('TinyStoriesV2-GPT4-train.txt', 2_227_753_162),
                      'val': ('TinyStoriesV2-GPT4-valid.txt', 22_502_601)}
 STORY_SEPARATOR = '<|endoftext|>'  # one token in our vocabulary
 UNKNOWN = '\ufffd'  # stands for every character rarer than TINYSTORIES_MIN_PER_MILLION
 TINYSTORIES_MIN_PER_MILLION = 1  # about 2,200 occurrences in the full train file
 
-FINEWEB_URL = 'https://huggingface.co/datasets/kjj0/fineweb10B-gpt2/resolve/main/'
+FINEWEB_REPO = 'kjj0/fineweb10B-gpt2'
+FINEWEB_SHARD_BYTES = 200_001_024  # a train shard: 256 int32 of header, then 100M uint16 tokens
 FINEWEB_MAGIC, FINEWEB_VERSION, FINEWEB_HEADER_INTS = 20240520, 1, 256
 FINEWEB_VOCAB, FINEWEB_VOCAB_PADDED = 50257, 50304  # padded to a multiple of 64 for speed
 FINEWEB_SHARDS = 4  # default number of train shards (~100M tokens each)
@@ -59,10 +66,6 @@ class DataError(Exception):
 
 
 # ----------------------------------------------------------------------------- files
-
-def is_url(source):
-    return '://' in source
-
 
 def download(url, dest, size=None, dataset='NAME'):
     """Fetch url into dest with a progress bar. Bytes go to dest.part, which a later call resumes
@@ -100,6 +103,23 @@ def download(url, dest, size=None, dataset='NAME'):
         raise DataError(f"{url} gave {got:,} bytes, expected {size:,}; the partial file was deleted, run again")
     os.replace(part, dest)
     return dest
+
+
+def hub_download(repo, filename, folder, dataset):
+    """One file of a Hugging Face dataset repository into folder (huggingface_hub: resumable, cached,
+    size-checked; HF_ENDPOINT and HF_TOKEN honoured), or a DataError that says how to go on offline."""
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its retries' warnings; the error below says what happened
+    try:
+        return hf_hub_download(repo, filename, repo_type='dataset', local_dir=folder,
+                               endpoint=os.environ.get('HF_ENDPOINT'))
+    except Exception as e:  # offline, a mirror that does not answer, a missing file, no space left
+        reason = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise DataError(f"cannot download {filename} of the Hugging Face dataset {repo} ({reason[:200]}). On a "
+                        f"machine without internet, fetch it elsewhere and prepare from a local copy: python data.py "
+                        f"{dataset} --source=FOLDER (a folder holding {filename})")
+    finally:
+        hf_logging.set_verbosity(verbosity)
 
 
 def write_dataset(out_dir, splits, meta):
@@ -172,20 +192,24 @@ def prepare_pydoc(out_dir, data_dir, source):
     prepare_char_text(embedded_text(), out_dir, source='pydoc_data.topics')
 
 
-def prepare_local_file(path, out_dir):
+def decode_text(raw, path):
+    """The text of a file's bytes, or a DataError for a file that is not UTF-8 text."""
     try:
-        with open(path, encoding='utf-8') as f:
-            text = f.read()
+        return raw.decode('utf-8')
     except UnicodeDecodeError as e:
-        raise DataError(f"{path} is not UTF-8 text ({e}); char-level datasets need a UTF-8 text file")
-    prepare_char_text(text, out_dir, source=os.path.abspath(path))
+        raise DataError(f"{path} is not UTF-8 text (byte {e.start}: {e.reason}); char-level datasets need a "
+                        f"UTF-8 text file")
+
+
+def prepare_local_file(path, out_dir):
+    with open(path, 'rb') as f:
+        prepare_char_text(decode_text(f.read(), path), out_dir, source=os.path.abspath(path))
 
 
 def prepare_text8(out_dir, data_dir, source):
     """The standard split: first 90M characters train, next 5M val, last 5M test. Another size
     (e.g. a slice) is split in the same proportions, with a warning."""
-    path = source if source and not is_url(source) else download(
-        source or TEXT8_URL, os.path.join(data_dir, 'downloads', 'text8.zip'), TEXT8_ZIP_BYTES, 'text8')
+    path = source or download(TEXT8_URL, os.path.join(data_dir, 'downloads', 'text8.zip'), TEXT8_ZIP_BYTES, 'text8')
     if zipfile.is_zipfile(path):
         with zipfile.ZipFile(path) as z:
             if 'text8' not in z.namelist():
@@ -194,16 +218,16 @@ def prepare_text8(out_dir, data_dir, source):
     else:
         with open(path, 'rb') as f:
             raw = f.read()
+    tokens, vocab = char_tokenize(decode_text(raw, path), list(TEXT8_VOCAB))
     if len(raw) != TEXT8_CHARS or hashlib.md5(raw).hexdigest() != TEXT8_MD5:
         if not source:
             raise DataError(f"{path} does not unzip to the canonical text8 (md5 {TEXT8_MD5}); delete it and run again")
         print(f"warning: {path} is not the full text8 ({len(raw):,} characters, not {TEXT8_CHARS:,}); "
               f"splitting it 90/5/5 all the same", file=sys.stderr)
-    tokens, vocab = char_tokenize(raw.decode('ascii'), list(TEXT8_VOCAB))
     n_train, n_val = len(tokens) * 90 // 100, len(tokens) * 5 // 100
     write_dataset(out_dir, {'train': tokens[:n_train], 'val': tokens[n_train:n_train + n_val],
                             'test': tokens[n_train + n_val:]},
-                  dict(kind='char', vocab=vocab, vocab_size=len(vocab), dtype='uint8', source=path))
+                  dict(kind='char', vocab=vocab, vocab_size=len(vocab), dtype='uint8', source=os.path.abspath(path)))
 
 
 def read_stories(path, chunk_bytes=1 << 24):
@@ -216,27 +240,26 @@ def read_stories(path, chunk_bytes=1 << 24):
             cut = chunk.rfind(b'\n') + 1
             carry, chunk = (chunk[cut:], chunk[:cut]) if cut else (chunk, b'')
             if chunk:
-                yield chunk.decode('utf-8').replace(STORY_SEPARATOR + '\n', '\x00'), len(chunk)
+                yield decode_text(chunk, path).replace(STORY_SEPARATOR + '\n', '\x00'), len(chunk)
         if carry:
-            yield carry.decode('utf-8').replace(STORY_SEPARATOR, '\x00'), len(carry)
+            yield decode_text(carry, path).replace(STORY_SEPARATOR, '\x00'), len(carry)
 
 
 def prepare_tinystories(out_dir, data_dir, source):
     """Two streaming passes in bounded memory: count characters, then encode. The vocabulary is
     every character seen at least TINYSTORIES_MIN_PER_MILLION times per million in the train file;
     the rest (stray Unicode) all map to one UNKNOWN symbol. Each story ends with the separator.
-    --source: a folder holding both V2 files, one text file (split 90/10 at a story boundary), or
-    a base URL."""
+    --source: a folder holding both V2 files, or one text file (split 90/10 at a story boundary)."""
     if source and os.path.isfile(source):
         files = {'train': source}
-    elif source and not is_url(source):
+    elif source:
         files = {split: os.path.join(source, name) for split, (name, _) in TINYSTORIES_FILES.items()}
-    else:
-        files = {split: download((source or TINYSTORIES_URL) + name, os.path.join(data_dir, 'downloads', name), size,
-                                 'tinystories') for split, (name, size) in TINYSTORIES_FILES.items()}
         for path in files.values():
             if not os.path.isfile(path):
                 raise DataError(f"{path} not found; --source=DIR must hold {', '.join(n for n, _ in TINYSTORIES_FILES.values())}")
+    else:
+        files = {split: hub_download(TINYSTORIES_REPO, name, os.path.join(data_dir, 'downloads', 'tinystories'),
+                                     'tinystories') for split, (name, _) in TINYSTORIES_FILES.items()}
     counts = np.zeros(0x110000, dtype=np.int64)
     total = os.path.getsize(files['train'])
     with tqdm(total=total, unit='B', unit_scale=True, desc='count characters') as bar:
@@ -341,15 +364,18 @@ def prepare_fineweb(out_dir, data_dir, source, shards=FINEWEB_SHARDS):
     names = fineweb_names(shards)
     for name in names['val'] + names['train']:
         dest = os.path.join(out_dir, name)
-        if source and not is_url(source) and not os.path.exists(dest):
+        if os.path.exists(dest):
+            pass
+        elif source:
             if not os.path.isfile(os.path.join(source, name)):
                 raise DataError(f"{os.path.join(source, name)} not found; --source=DIR must hold {name}")
             shutil.copyfile(os.path.join(source, name), dest + '.part')
             os.replace(dest + '.part', dest)
-        download((source if source and is_url(source) else FINEWEB_URL) + name, dest, dataset='fineweb')
+        else:
+            hub_download(FINEWEB_REPO, name, out_dir, 'fineweb')
         read_shard(dest)  # validate now, not in the middle of training
     write_meta(out_dir, dict(kind='gpt2', vocab_size=FINEWEB_VOCAB_PADDED, true_vocab_size=FINEWEB_VOCAB,
-                             dtype='uint16', shards=names, source=source or FINEWEB_URL))
+                             dtype='uint16', shards=names, source=os.path.abspath(source) if source else FINEWEB_REPO))
 
 
 # ----------------------------------------------------------------------------- loading
@@ -370,17 +396,37 @@ def dataset_dir(name, data_dir):
                     f"or the path of an existing text file")
 
 
-def prepare(name, data_dir='data', source=None, shards=None):
-    """Prepare dataset NAME under data_dir (if not there yet) and return its folder."""
+# what train.py will not download unasked: (size, what to run)
+BIG_DOWNLOADS = {'tinystories': '2.25 GB', 'fineweb': f'about {(FINEWEB_SHARDS + 1) * FINEWEB_SHARD_BYTES / 1e9:.1f} GB'}
+
+
+def source_of(source):
+    """How a prepared dataset remembers where it came from: the absolute path of --source."""
+    return os.path.abspath(source) if source else None
+
+
+def prepare(name, data_dir='data', source=None, shards=None, download=True):
+    """Prepare dataset NAME under data_dir, unless it is there already (from the same --source),
+    and return its folder. download=False: refuse the multi-GB downloads (BIG_DOWNLOADS) and say
+    which command prepares them."""
     out_dir = dataset_dir(name, data_dir)
     meta_path = os.path.join(out_dir, 'meta.json')
-    if name == 'fineweb' and os.path.exists(meta_path):
+    if source and not os.path.exists(source):
+        raise DataError(f"--source={source} does not exist (give the path of a local copy of {name})")
+    if os.path.exists(meta_path):
         with open(meta_path) as f:
-            have = len(json.load(f)['shards']['train'])
-        if shards is None or shards <= have:
+            meta = json.load(f)
+        stale = source and name in PREPARE and source_of(source) not in (meta.get('source'), *(
+            meta['source'].values() if isinstance(meta.get('source'), dict) else ()))
+        more_shards = name == 'fineweb' and shards is not None and shards > len(meta['shards']['train'])
+        if not stale and not more_shards:
             return out_dir
-    elif os.path.exists(meta_path):
-        return out_dir
+        if stale:
+            print(f"note: {out_dir} was prepared from {meta.get('source')}; preparing it again from {source}",
+                  file=sys.stderr)
+    elif name in BIG_DOWNLOADS and not source and not download:
+        raise DataError(f"{name} is not prepared in {out_dir}, and preparing it downloads {BIG_DOWNLOADS[name]}; run "
+                        f"`python data.py {name} --data_dir={data_dir}` first (or --source=FOLDER for a local copy)")
     os.makedirs(data_dir, exist_ok=True)
     t0 = time.time()
     if name in PREPARE:
@@ -465,15 +511,18 @@ def gpt2_encoding():
     return tiktoken.get_encoding('gpt2')
 
 
-def load(name, data_dir='data'):
-    return Dataset(prepare(name, data_dir))
+def load(name, data_dir='data', download=True):
+    return Dataset(prepare(name, data_dir, download=download))
 
 
 def main(argv):
-    usage = "usage: python data.py NAME [--source=PATH_OR_URL] [--data_dir=DIR] [--shards=N]"
+    usage = "usage: python data.py NAME [--source=PATH] [--data_dir=DIR] [--shards=N]"
     args, names = dict(data_dir='data', source=None, shards=None), []
     for arg in argv:
         key, eq, value = arg.removeprefix('--').partition('=')
+        if arg in ('-h', '--help'):
+            print(__doc__.strip())
+            sys.exit(0)
         if arg.startswith('--') and eq and key in args:
             args[key] = value
         elif arg.startswith('-'):
@@ -481,14 +530,18 @@ def main(argv):
         else:
             names.append(arg)
     if len(names) != 1:
-        sys.exit(f"{usage}\nNAME: {', '.join(PREPARE)}, or a text file")
-    if args['shards'] is not None and not args['shards'].isdigit():
+        sys.exit(f"error: name one dataset; {usage}\nNAME: {', '.join(PREPARE)}, or a text file")
+    if args['shards'] is not None and not (args['shards'].isdigit() and int(args['shards']) > 0):
         sys.exit(f"error: --shards expects a positive integer, got {args['shards']!r}")
     try:
-        ds = Dataset(prepare(names[0], args['data_dir'], args['source'],
-                             int(args['shards']) if args['shards'] else None))
+        folder = dataset_dir(names[0], args['data_dir'])
+        existed = os.path.exists(os.path.join(folder, 'meta.json'))
+        ds = Dataset(prepare(names[0], args['data_dir'], args['source'], int(args['shards']) if args['shards'] else None))
     except DataError as e:
         sys.exit(f"error: {e}")
+    if existed and ds.meta.get('source') and not args['source']:
+        print(f"using {folder}, prepared before from {ds.meta['source']}; delete that folder to prepare it again",
+              file=sys.stderr)
     print(f"{names[0]}: vocab {ds.vocab_size}, " + ', '.join(f'{k} {len(v):,} tokens' for k, v in ds.splits.items()))
 
 

@@ -28,6 +28,10 @@ dtype = 'auto'
 
 def main(argv):
     cfg, _ = configurator.parse(argv, configurator.keys_of(globals()), __doc__)
+    configurator.check(cfg, {'num_samples': (lambda v: v >= 1, 'at least 1'),
+                             'max_new_tokens': (lambda v: v >= 0, 'at least 0'),
+                             'temperature': (lambda v: v > 0, 'above 0'),
+                             'top_k': (lambda v: v >= 0, 'at least 0 (0 = all tokens)')})
     try:
         device = configurator.resolve_device(cfg['device'])
         _, ctx = configurator.precision(device, cfg['dtype'])

@@ -1,15 +1,20 @@
 """
-Run a grid of experiments with several seeds, and aggregate their results.
+Run a grid of experiments over seeds, keep each run's result, and compare the methods pair by pair.
 
-    python sweep.py cpu_trend --jobs=2          # run (skips finished runs, resumes interrupted ones)
-    python sweep.py char --print                # the commands, one per line, for a cluster scheduler
-    python sweep.py cpu_trend --report          # runs/cpu_trend/results.md and results.png
+    python sweep.py cpu_methods --jobs=2      # run (skips finished runs, resumes interrupted ones)
+    python sweep.py cpu_methods --report      # table and plot from results/cpu_methods/*.json, no training
+    python sweep.py char --print              # the commands, one per line, for a cluster scheduler
 
-A grid is base configs x variants x seeds; each run is `train.py CONFIG... VARIANT... --seed=S
---out_dir=runs/GRID/NAME`. The report reads every run's log.jsonl: final val loss mean +- std
-over seeds, bpc, perplexity change against block_attnres on the same base config, and whether
-each difference exceeds the seed-to-seed spread; plus validation-loss curves (matplotlib,
-optional).
+A grid is base configs x variants x seeds; each run is `python train.py CONFIG... VARIANT... --seed=S
+--out_dir=RUNS/GRID/NAME` (RUNS = --runs_dir, default runs/). When a run has finished, its final
+metrics, validation curve and wall time go to RESULTS/GRID/NAME.json (--results_dir, default
+results/): small files to commit, from which --report rebuilds the table and the plot.
+
+The comparison is paired. Runs of different methods with the same seed share the initial weights
+of the shared modules and the data order, so for each method and config the report takes, seed by
+seed, the difference of its final validation loss to a reference method's (prenorm, and
+block_attnres), and gives their mean with a 95% confidence interval (Student t over the per-seed
+differences). An interval that excludes zero is a difference the seeds resolve.
 """
 import json
 import math
@@ -17,6 +22,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from residuals import RESIDUALS
@@ -48,7 +54,7 @@ GRIDS = {
     'fineweb': dict(configs=[[f'config/fineweb_{size}.py'] for size in 'SML'], variants=FINEWEB_VARIANTS,
                     seeds=[0]),
 }
-REFERENCE = 'block_attnres'  # the papers report changes against it
+REFERENCES = ('prenorm', 'block_attnres')  # the baselines every method is compared with, pair by pair
 
 
 def arg_name(arg):
@@ -66,7 +72,7 @@ def runs_of(grid, runs_dir):
             for seed in spec['seeds']:
                 group, method = '-'.join(map(arg_name, config)), '-'.join(map(arg_name, variant))
                 out_dir = os.path.join(runs_dir, grid, f'{group}-{method}-seed{seed}')
-                yield dict(group=group, method=method, seed=seed, out_dir=out_dir,
+                yield dict(grid=grid, group=group, method=method, seed=seed, out_dir=out_dir,
                            args=[*config, *variant, f'--seed={seed}', f'--out_dir={out_dir}'])
 
 
@@ -92,70 +98,151 @@ def command(run):
     return [sys.executable, os.path.join(ROOT, 'train.py'), *run['args'], *resume]
 
 
-def execute(runs, jobs):
+def execute(runs, jobs, results_dir):
     """Run sequentially, or `jobs` at a time with the cores shared among them (at small widths
-    two single-threaded runs do more work than one run on two threads)."""
+    two single-threaded runs do more work than one run on two threads); write each finished run's
+    result file."""
     todo = [run for run in runs if state(run) != 'done']
-    print(f"{len(runs) - len(todo)} of {len(runs)} runs already done; {len(todo)} to run, {jobs} at a time")
+    print(f"{len(runs) - len(todo)} of {len(runs)} runs already done; {len(todo)} to run, {jobs} at a time", flush=True)
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // jobs)))
+    start = time.time()
 
     def one(run):
         os.makedirs(run['out_dir'], exist_ok=True)
+        t0 = time.time()
         with open(os.path.join(run['out_dir'], 'train.out'), 'a') as out:
             result = subprocess.run(command(run), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
-        print(f"{'ok ' if result.returncode == 0 else 'FAILED'} {run['out_dir']}", flush=True)
+        if result.returncode == 0:
+            collect(run, results_dir, wall_s=time.time() - t0)
+        print(f"{'ok ' if result.returncode == 0 else 'FAILED'} {run['out_dir']} ({time.time() - t0:.0f}s)", flush=True)
         return result.returncode
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         failures = sum(code != 0 for code in pool.map(one, todo))
+    print(f"{len(todo)} runs in {(time.time() - start) / 60:.1f} minutes of wall time", flush=True)
     if failures:
         sys.exit(f"error: {failures} run(s) failed; see train.out in their folders")
 
 
-def summarise(values):
-    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+# ----------------------------------------------------------------------------- results
+
+def result_path(run, results_dir):
+    return os.path.join(results_dir, run['grid'], os.path.basename(run['out_dir']) + '.json')
 
 
-def report(grid, runs_dir):
-    """Write runs_dir/GRID/results.md (and results.png with matplotlib); return the markdown."""
-    table = {}  # (group, method) -> list of (seed, final record, eval curve)
+def collect(run, results_dir, wall_s=None):
+    """Write a finished run's result file (final metrics, validation curve, wall time) from its log."""
+    log = read_log(run['out_dir'])
+    done = [r for r in log if r.get('event') == 'done']
+    if not done:
+        return None
+    path = result_path(run, results_dir)
+    old = json.load(open(path)) if os.path.exists(path) else {}
+    result = dict(grid=run['grid'], group=run['group'], method=run['method'], seed=run['seed'], args=run['args'][:-1],
+                  final={k: v for k, v in done[-1].items() if k != 'event'},
+                  curve={r['iter']: r['val_loss'] for r in log if 'val_loss' in r and 'event' not in r},
+                  wall_s=wall_s if wall_s is not None else old.get('wall_s'))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, 'w') as f:
+        json.dump(result, f, indent=1)
+    return result
+
+
+def load_results(grid, results_dir):
+    """Every result file of a grid, in the grid's order."""
+    folder = os.path.join(results_dir, grid)
+    order = {(r['group'], r['method'], r['seed']): k for k, r in enumerate(runs_of(grid, 'runs'))}
+    results = [json.load(open(os.path.join(folder, name))) for name in sorted(os.listdir(folder))
+               if name.endswith('.json')] if os.path.isdir(folder) else []
+    return sorted(results, key=lambda r: order.get((r['group'], r['method'], r['seed']), len(order)))
+
+
+# two-sided 95% quantiles of Student's t, by degrees of freedom
+T_975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+
+
+def t_975(df):
+    if df <= len(T_975):
+        return T_975[df - 1]
+    z = 1.959964  # beyond the table, the Cornish-Fisher expansion (error below 1e-3)
+    return z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2)
+
+
+def paired(diffs):
+    """Mean of per-seed differences and the half-width of its 95% confidence interval (None for one seed)."""
+    mean = statistics.mean(diffs)
+    if len(diffs) < 2:
+        return mean, None
+    return mean, t_975(len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs))
+
+
+def comparisons(results, references=REFERENCES):
+    """Per (config, method): the final losses by seed, and for each reference the paired difference
+    (mean, 95% half-width, number of seeds) over the seeds both have."""
+    losses = {}
+    for r in results:
+        losses.setdefault((r['group'], r['method']), {})[r['seed']] = r['final']['val_loss']
+    rows = []
+    for (group, method), by_seed in losses.items():
+        row = dict(group=group, method=method, losses=by_seed, char_level='val_bpc' in next(
+            r['final'] for r in results if (r['group'], r['method']) == (group, method)), versus={})
+        for ref in references:
+            ref_losses = losses.get((group, ref), {})
+            seeds = sorted(set(by_seed) & set(ref_losses))
+            if method != ref and seeds:
+                row['versus'][ref] = (*paired([by_seed[s] - ref_losses[s] for s in seeds]), len(seeds))
+        rows.append(row)
+    return rows
+
+
+def verdict(mean, half):
+    if half is None:
+        return 'one seed'
+    return 'unresolved' if abs(mean) <= half else ('lower' if mean < 0 else 'higher')
+
+
+def report(grid, runs_dir, results_dir):
+    """Collect the finished runs under runs_dir (if any), then write results_dir/GRID/results.md and
+    results.png (with matplotlib) from the result files; return the markdown."""
     for run in runs_of(grid, runs_dir):
-        log = read_log(run['out_dir'])
-        done = [r for r in log if r.get('event') == 'done']
-        if done:
-            curve = {r['iter']: r['val_loss'] for r in log if 'val_loss' in r and 'event' not in r}
-            table.setdefault((run['group'], run['method']), []).append((run['seed'], done[-1], curve))
-    if not table:
-        sys.exit(f"error: no finished runs under {os.path.join(runs_dir, grid)}; run `python sweep.py {grid}` first")
-    lines = [f"| config | method | seeds | val loss (nats) | bpc | ppl vs {REFERENCE} | difference vs {REFERENCE} |",
-             '|---|---|---:|---:|---:|---:|---|']
-    groups = list(dict.fromkeys(group for group, _ in table))
-    for group in groups:
-        ref = table.get((group, REFERENCE))
-        ref_mean, ref_std = summarise([r['val_loss'] for _, r, _ in ref]) if ref else (None, None)
-        for (g, method), runs in table.items():
-            if g != group:
+        collect(run, results_dir)
+    results = load_results(grid, results_dir)
+    if not results:
+        sys.exit(f"error: no results in {os.path.join(results_dir, grid)}; run `python sweep.py {grid}` first")
+    rows = comparisons(results)
+    head = ' | '.join(f"vs {ref}: mean diff +- 95% CI" for ref in REFERENCES)
+    lines = [f"| config | method | seeds | val loss (nats) | bpc | {head} |",
+             '|---|---|---:|---:|---:|' + '---|' * len(REFERENCES)]
+    for row in rows:
+        values = list(row['losses'].values())
+        mean, std = statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+        bpc = f"{mean / math.log(2):.4f}" if row['char_level'] else '-'
+        cells = []
+        for ref in REFERENCES:
+            if ref not in row['versus']:
+                cells.append('-')
                 continue
-            mean, std = summarise([r['val_loss'] for _, r, _ in runs])
-            bpc = f"{mean / math.log(2):.4f}" if 'val_bpc' in runs[0][1] else '-'
-            if ref and method != REFERENCE:
-                change = f"{100 * (math.exp(mean - ref_mean) - 1):+.2f}%"
-                delta = mean - ref_mean
-                verdict = 'exceeds the spread' if abs(delta) > std + ref_std else 'within the spread'
-                difference = f"{delta:+.4f} ({verdict})"
-            else:
-                change = difference = '-'
-            lines.append(f"| {group} | {method} | {len(runs)} | {mean:.4f} +- {std:.4f} | {bpc} | {change} | {difference} |")
-    note = (f"\nMean +- sample standard deviation over seeds of the final validation loss. A difference "
-            f"'exceeds the spread' when |mean - {REFERENCE} mean| > std + {REFERENCE} std.\n")
+            diff, half, _ = row['versus'][ref]
+            ci = f" +- {half:.4f}" if half is not None else ''
+            cells.append(f"{diff:+.4f}{ci} ({verdict(diff, half)})")
+        lines.append(f"| {row['group']} | {row['method']} | {len(values)} | {mean:.4f} +- {std:.4f} | {bpc} | "
+                     + ' | '.join(cells) + ' |')
+    walls = [r['wall_s'] for r in results if r.get('wall_s')]
+    note = ("\nFinal validation loss: mean +- sample standard deviation over seeds. Paired differences: the mean "
+            "over seeds of (method - reference) with the half-width of its 95% confidence interval (Student t); "
+            "'lower' or 'higher' where the interval excludes zero, 'unresolved' where it does not."
+            + (f" {len(walls)} runs, {sum(walls) / 3600:.2f} hours of run time in all." if walls else '') + '\n')
     markdown = '\n'.join(lines) + '\n' + note
-    out = os.path.join(runs_dir, grid)
+    out = os.path.join(results_dir, grid)
     with open(os.path.join(out, 'results.md'), 'w') as f:
         f.write(markdown)
-    plot_curves(table, groups, os.path.join(out, 'results.png'))
+    plot(results, rows, os.path.join(out, 'results.png'))
     return markdown
 
 
-def plot_curves(table, groups, path):
+def plot(results, rows, path):
+    """Left: the validation curves, mean over seeds with the min-max band. Then, per reference, the
+    paired differences with their 95% intervals (per config, methods side by side)."""
     try:
         import matplotlib
         matplotlib.use('Agg')
@@ -163,29 +250,53 @@ def plot_curves(table, groups, path):
     except ImportError:
         print("note: no plot; pip install matplotlib for results.png", file=sys.stderr)
         return
-    fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4), squeeze=False)
-    for ax, group in zip(axes[0], groups):
-        for (g, method), runs in table.items():
-            if g == group:
-                iters = sorted(set.intersection(*(set(curve) for _, _, curve in runs)))
-                means = [statistics.mean(curve[i] for _, _, curve in runs) for i in iters]
-                ax.plot(iters[1:], means[1:], marker='o', label=method)  # skip iter 0: the untrained model
-        ax.set_title(group)
-        ax.set_xlabel('iteration')
-        ax.set_ylabel('val loss (nats), mean over seeds')
-        ax.legend()
-    fig.tight_layout()
+    groups = list(dict.fromkeys(r['group'] for r in results))
+    methods = list(dict.fromkeys(r['method'] for r in results))
+    colors = {m: plt.cm.tab10(k % 10) for k, m in enumerate(methods)}
+    fig, axes = plt.subplots(1, 1 + len(REFERENCES), figsize=(6 + 5 * len(REFERENCES), 5), layout='constrained')
+    ax = axes[0]
+    for group in groups[-1:]:  # the curves of the last config (the deepest in a depth grid)
+        for method in methods:
+            curves = [r['curve'] for r in results if (r['group'], r['method']) == (group, method)]
+            if not curves:
+                continue
+            iters = sorted(set.intersection(*(set(c) for c in curves)), key=int)[1:]  # skip the untrained model
+            values = [[c[i] for c in curves] for i in iters]
+            x = [int(i) for i in iters]
+            ax.plot(x, [statistics.mean(v) for v in values], color=colors[method], label=method)
+            ax.fill_between(x, [min(v) for v in values], [max(v) for v in values], color=colors[method], alpha=0.2)
+        ax.set(title=f"{group}: val loss, mean and min-max over seeds", xlabel='iteration', ylabel='val loss (nats)')
+    ax.legend(fontsize=7)
+    for ax, ref in zip(axes[1:], REFERENCES):
+        compared = [m for m in methods if any(row['method'] == m and ref in row['versus'] for row in rows)]
+        width = 0.8 / max(1, len(compared))
+        for k, method in enumerate(compared):
+            for g, group in enumerate(groups):
+                row = next((r for r in rows if (r['group'], r['method']) == (group, method)), None)
+                if row is None or ref not in row['versus']:
+                    continue
+                diff, half, _ = row['versus'][ref]
+                ax.errorbar(g + (k - (len(compared) - 1) / 2) * width, diff, yerr=half or 0, fmt='o', capsize=3,
+                            color=colors[method], label=method if g == 0 else None)
+        ax.axhline(0, color='grey', lw=0.8)
+        ax.set_xticks(range(len(groups)), groups, rotation=15, fontsize=8)
+        ax.set(title=f"paired difference to {ref}, 95% CI", ylabel='val loss difference (nats)')
+        ax.legend(fontsize=7)
     fig.savefig(path, dpi=100)
+    plt.close(fig)
     print(f"wrote {path}", file=sys.stderr)
 
 
 def main(argv):
-    usage = (f"usage: python sweep.py GRID [--jobs=N] [--print] [--report] [--runs_dir=DIR]; "
+    usage = (f"usage: python sweep.py GRID [--jobs=N] [--print] [--report] [--runs_dir=DIR] [--results_dir=DIR]; "
              f"GRID: {', '.join(GRIDS)}")
-    opts = dict(jobs='1', runs_dir='runs')
+    opts = dict(jobs='1', runs_dir='runs', results_dir=os.path.join(ROOT, 'results'))
     flags, grids = set(), []
     for arg in argv:
         key, eq, value = arg.removeprefix('--').partition('=')
+        if arg in ('-h', '--help'):
+            print(__doc__.strip() + '\n\n' + usage)
+            sys.exit(0)
         if arg in ('--print', '--report'):
             flags.add(key)
         elif arg.startswith('--') and eq and key in opts:
@@ -195,17 +306,17 @@ def main(argv):
         else:
             sys.exit(f"error: {arg!r} is not understood; {usage}")
     if len(grids) != 1 or not opts['jobs'].isdigit() or int(opts['jobs']) < 1:
-        sys.exit(usage)
+        sys.exit(f"error: name one grid, and --jobs a positive integer; {usage}")
     grid, runs = grids[0], list(runs_of(grids[0], opts['runs_dir']))
     if 'print' in flags:
         for run in runs:
             if state(run) != 'done':
-                print(' '.join(command(run)[1:]).replace(ROOT + os.sep, ''))
+                print(' '.join(['python', *command(run)[1:]]).replace(ROOT + os.sep, ''))
     elif 'report' in flags:
-        print(report(grid, opts['runs_dir']))
+        print(report(grid, opts['runs_dir'], opts['results_dir']))
     else:
-        execute(runs, int(opts['jobs']))
-        print(report(grid, opts['runs_dir']))
+        execute(runs, int(opts['jobs']), opts['results_dir'])
+        print(report(grid, opts['runs_dir'], opts['results_dir']))
 
 
 if __name__ == '__main__':

@@ -5,6 +5,7 @@ sweep.py (grids of runs, resuming, and the results report).
 import importlib.util
 import json
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -98,28 +99,44 @@ def test_analyze_reports_the_diagnostics_and_pruning_a_silent_layer_changes_noth
         assert not plots
 
 
+def test_paired_interval_and_t_quantiles():
+    mean, half = sweep.paired([0.1, 0.2, 0.3])
+    assert mean == pytest.approx(0.2) and half == pytest.approx(4.303 * 0.1 / math.sqrt(3))
+    assert sweep.paired([0.5]) == (0.5, None)
+    assert sweep.t_975(2) == 4.303 and sweep.t_975(60) == pytest.approx(2.0003, abs=1e-3)
+    assert sweep.t_975(120) == pytest.approx(1.9799, abs=1e-3)
+    assert [sweep.verdict(-0.2, 0.1), sweep.verdict(0.2, 0.1), sweep.verdict(0.05, 0.1)] == ['lower', 'higher',
+                                                                                             'unresolved']
+
+
 def test_sweep_runs_a_grid_skips_finished_runs_resumes_interrupted_ones_and_reports(tmp_path, data_dir, monkeypatch):
     tiny = ['--dataset=pydoc', f'--data_dir={data_dir}', '--max_iters=4', '--eval_interval=2', '--n_layer=1',
             *TINY_TRAIN]
     monkeypatch.setitem(sweep.GRIDS, 'tiny', dict(configs=[tiny], variants=[['--residual=prenorm'],
                                                                             ['--residual=block_attnres']],
                                                   seeds=[0, 1]))
-    runs = list(sweep.runs_of('tiny', str(tmp_path)))
+    runs_dir, results_dir = str(tmp_path / 'runs'), str(tmp_path / 'results')
+    runs = list(sweep.runs_of('tiny', runs_dir))
     assert len(runs) == 4 and len({r['out_dir'] for r in runs}) == 4
-    sweep.execute(runs[:3], jobs=2)
+    sweep.execute(runs[:3], 2, results_dir)
     assert [sweep.state(r) for r in runs] == ['done', 'done', 'done', 'new']
+    assert len(list((tmp_path / 'results' / 'tiny').glob('*.json'))) == 3
     # an interrupted run: a checkpoint at iter 2 and no 'done' event
     result = run_cli('train.py', *runs[3]['args'], '--max_iters=2', cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     log = (Path(runs[3]['out_dir']) / 'log.jsonl')
     log.write_text(''.join(line for line in log.read_text().splitlines(True) if '"done"' not in line))
     assert sweep.state(runs[3]) == 'interrupted' and '--init_from=resume' in sweep.command(runs[3])
-    sweep.execute(runs, jobs=1)  # runs only the interrupted one
+    sweep.execute(runs, 1, results_dir)  # runs only the interrupted one
     assert all(sweep.state(r) == 'done' for r in runs)
     finals = {(r['method'], r['seed']): sweep.read_log(r['out_dir'])[-1]['val_loss'] for r in runs}
-    markdown = sweep.report('tiny', str(tmp_path))
+    markdown = sweep.report('tiny', runs_dir, results_dir)
     prenorm = [finals[('prenorm', s)] for s in (0, 1)]
     assert f"{np.mean(prenorm):.4f} +- {np.std(prenorm, ddof=1):.4f}" in markdown
-    ppl_change = 100 * (math.exp(np.mean(prenorm) - np.mean([finals[('block_attnres', s)] for s in (0, 1)])) - 1)
-    assert f"{ppl_change:+.2f}%" in markdown and 'the spread' in markdown
-    assert (tmp_path / 'tiny' / 'results.md').read_text() == markdown
+    diffs = [finals[('block_attnres', s)] - finals[('prenorm', s)] for s in (0, 1)]
+    half = 12.706 * np.std(diffs, ddof=1) / math.sqrt(2)  # Student t with one degree of freedom
+    row = next(line for line in markdown.splitlines() if '| block_attnres |' in line)
+    assert f"{np.mean(diffs):+.4f} +- {half:.4f}" in row and row.endswith('| - |')  # not compared with itself
+    assert (tmp_path / 'results' / 'tiny' / 'results.md').read_text() == markdown
+    shutil.rmtree(runs_dir)  # the committed result files alone rebuild the same table
+    assert sweep.report('tiny', runs_dir, results_dir) == markdown

@@ -3,6 +3,7 @@ data.py: the embedded corpus, local files, text8, TinyStories and FineWeb shards
 shared slices and local files (downloads cannot run here: a local server stands in), the fixed
 validation windows.
 """
+import hashlib
 import http.server
 import math
 import os
@@ -15,7 +16,7 @@ import torch
 
 import data
 import train
-from conftest import SHARED_DATA, TEXT8, TINY_TRAIN, need_shared
+from conftest import SHARED_DATA, TEXT8, TINY_TRAIN, exit_message, need_shared
 
 
 def test_embedded_corpus_is_real_text_with_a_fixed_split(data_dir):
@@ -180,3 +181,109 @@ def test_offline_download_names_the_url_and_where_to_put_the_file(tmp_path):
     assert 'http://127.0.0.1:9/text8.zip' in str(error.value) and str(tmp_path / 'downloads' / 'text8.zip') in str(error.value)
     assert '--source' in str(error.value)
 
+
+
+class HubHandler(http.server.BaseHTTPRequestHandler):
+    """A stand-in for the Hugging Face Hub: serves files at /datasets/REPO/resolve/main/NAME with the
+    headers huggingface_hub reads (commit, etag, size), honouring Range requests."""
+    files, requests = {}, []
+
+    def send_file_headers(self):
+        name = self.path.split('/resolve/main/')[-1]
+        body = self.files.get(name)
+        if body is None:
+            self.send_response(404)
+            self.end_headers()
+            return None
+        start = int(self.headers['Range'].split('=')[1].split('-')[0]) if self.headers['Range'] else 0
+        self.send_response(206 if start else 200)
+        self.send_header('X-Repo-Commit', 'a' * 40)
+        self.send_header('ETag', f'"{hashlib.sha256(body).hexdigest()}"')
+        self.send_header('Content-Length', str(len(body) - start))
+        if start:
+            self.send_header('Content-Range', f'bytes {start}-{len(body) - 1}/{len(body)}')
+        self.end_headers()
+        return body[start:]
+
+    def do_HEAD(self):
+        HubHandler.requests.append(('HEAD', self.path))
+        self.send_file_headers()
+
+    def do_GET(self):
+        HubHandler.requests.append(('GET', self.path))
+        body = self.send_file_headers()
+        if body is not None:
+            self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_tinystories_downloads_through_huggingface_hub_from_a_mirror(tmp_path, monkeypatch):
+    """HF_ENDPOINT points huggingface_hub at a local mirror; the files it downloads prepare the same
+    dataset as the same files given with --source, and a second prepare downloads nothing."""
+    stories = [f"Once upon a time there was a {animal} named {name}. It liked {thing}.\n"
+               for animal in ('cat', 'dog', 'bird') for name in ('Tom', 'Lily', 'Sam') for thing in ('tea', 'rain')]
+    text = lambda part: ''.join(s + data.STORY_SEPARATOR + '\n' for s in part).encode()
+    HubHandler.files = {'TinyStoriesV2-GPT4-train.txt': text(stories * 20), 'TinyStoriesV2-GPT4-valid.txt': text(stories)}
+    HubHandler.requests = []
+    server = http.server.HTTPServer(('127.0.0.1', 0), HubHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv('HF_ENDPOINT', f'http://127.0.0.1:{server.server_port}')
+    monkeypatch.setenv('HF_HUB_DISABLE_XET', '1')
+    try:
+        hub = data.load('tinystories', str(tmp_path / 'hub'))
+        gets = [path for method, path in HubHandler.requests if method == 'GET']
+        assert sorted(gets) == [f'/datasets/{data.TINYSTORIES_REPO}/resolve/main/{name}' for name in sorted(HubHandler.files)]
+        data.load('tinystories', str(tmp_path / 'hub'))
+        assert [path for method, path in HubHandler.requests if method == 'GET'] == gets  # prepared: no download
+    finally:
+        server.shutdown()
+    local = tmp_path / 'local'
+    local.mkdir()
+    for name, body in HubHandler.files.items():
+        (local / name).write_bytes(body)
+    copy = data.Dataset(data.prepare('tinystories', str(tmp_path / 'copy'), source=str(local)))
+    assert hub.meta['vocab'] == copy.meta['vocab']
+    assert all(np.array_equal(hub.splits[k], copy.splits[k]) for k in ('train', 'val'))
+    assert hub.decode(hub.splits['val'][:30].tolist()) == stories[0][:30]
+
+
+def test_train_does_not_start_a_multi_gigabyte_download_unasked(tmp_path, monkeypatch):
+    monkeypatch.setenv('HF_ENDPOINT', 'http://127.0.0.1:9')  # nothing may be fetched
+    for name, size in [('tinystories', '2.25 GB'), ('fineweb', 'GB')]:
+        with pytest.raises(data.DataError) as error:
+            data.load(name, str(tmp_path), download=False)
+        assert size in str(error.value) and f'python data.py {name}' in str(error.value)
+    message = exit_message(train.main, ['--dataset=tinystories', f'--data_dir={tmp_path}', f'--out_dir={tmp_path / "o"}'])
+    assert 'python data.py tinystories' in message and not (tmp_path / 'o').exists()
+
+
+def test_a_missing_source_is_one_line_naming_the_path(tmp_path):
+    message = exit_message(data.main, ['text8', '--source=../shared/data/no_such_file.txt', f'--data_dir={tmp_path}'])
+    assert message == ("error: --source=../shared/data/no_such_file.txt does not exist (give the path of a local copy "
+                       "of text8)")
+
+
+def test_a_binary_source_gets_the_same_clear_error_on_every_path(tmp_path):
+    binary = tmp_path / 'image.bin'
+    binary.write_bytes(bytes(range(256)) * 10)
+    wanted = f"error: {binary} is not UTF-8 text (byte 128: invalid start byte); char-level datasets need a UTF-8 text file"
+    assert exit_message(data.main, ['text8', f'--source={binary}', f'--data_dir={tmp_path}']) == wanted
+    assert exit_message(data.main, [str(binary), f'--data_dir={tmp_path}']) == wanted
+    assert exit_message(train.main, [f'--dataset={binary}', f'--data_dir={tmp_path}', f'--out_dir={tmp_path / "o"}']) == wanted
+
+
+def test_a_different_source_prepares_the_dataset_again(tmp_path, capsys):
+    text = ' '.join(['anarchism originated as a term of abuse'] * 500)
+    first, second = tmp_path / 'first.txt', tmp_path / 'second.txt'
+    first.write_text(text)
+    second.write_text(text[:len(text) // 2])
+    data.main(['text8', f'--source={first}', f'--data_dir={tmp_path}'])
+    assert len(data.load('text8', str(tmp_path)).splits['train']) == len(text) * 90 // 100
+    capsys.readouterr()
+    data.main(['text8', f'--data_dir={tmp_path}'])  # no --source: the prepared copy, and which one it is
+    assert f"prepared before from {first}" in capsys.readouterr().err
+    data.main(['text8', f'--source={second}', f'--data_dir={tmp_path}'])
+    assert f"was prepared from {first}; preparing it again from {second}" in capsys.readouterr().err
+    assert len(data.load('text8', str(tmp_path)).splits['train']) == (len(text) // 2) * 90 // 100

@@ -4,6 +4,7 @@ Bad input is tested in-process (main raises SystemExit with one line) where a su
 nothing; the scripts run as subprocesses where the process itself matters (a kill, torchrun, the
 exit status and what reaches stderr). Every run writes into its own tmp_path.
 """
+import json
 import math
 import signal
 import subprocess
@@ -181,3 +182,171 @@ def test_sample_prints_text_from_a_trained_checkpoint(tmp_path, data_dir, capsys
     sample.main(args)
     assert capsys.readouterr().out == first  # the seed makes it reproducible
     assert 'no checkpoint' in exit_message(sample.main, [f'--out_dir={tmp_path / "nothing"}'])
+
+
+def test_the_readme_ddp_command_runs_with_the_defaults_and_shares_out_the_batch(tmp_path, data_dir):
+    """`torchrun --nproc_per_node=2 train.py --device=cpu` with gradient_accumulation_steps=1: each
+    process takes half the sequences of the one micro-step, and the losses are one process's."""
+    args = ['--dataset=pydoc', f'--data_dir={data_dir}', '--max_iters=4', '--eval_interval=4', '--log_interval=1',
+            '--device=cpu', *TINY_TRAIN]
+    single = run_cli('train.py', f'--out_dir={tmp_path / "single"}', *args, cwd=tmp_path)
+    assert single.returncode == 0, single.stderr
+    ddp = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+                          str(ROOT / 'train.py'), f'--out_dir={tmp_path / "ddp"}', *args],
+                         cwd=tmp_path, capture_output=True, text=True)
+    assert ddp.returncode == 0, ddp.stderr
+    expected, got = read_train_losses(tmp_path / 'single' / 'log.jsonl'), read_train_losses(tmp_path / 'ddp' / 'log.jsonl')
+    assert set(got) == set(expected) == set(range(1, 5))
+    for it in expected:
+        assert got[it] == pytest.approx(expected[it], abs=1e-5), it
+    gen = lambda: torch.Generator().manual_seed(0)
+    halves = [train.draw_offsets(gen(), 10_000, 32, 1, 4, rank=r, world=2) for r in (0, 1)]
+    assert torch.equal(torch.cat(halves, dim=1)[:, [0, 2, 1, 3]], train.draw_offsets(gen(), 10_000, 32, 1, 4, 0, 1))
+
+
+def test_an_error_under_torchrun_is_one_line_from_rank_0(tmp_path):
+    result = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+                             str(ROOT / 'train.py'), '--device=cpu', '--batch_size=3', '--gradient_accumulation_steps=3',
+                             f'--out_dir={tmp_path / "o"}'], cwd=tmp_path, capture_output=True, text=True)
+    assert result.returncode != 0
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith('error:')]
+    assert len(errors) == 1 and 'cannot be shared out evenly over 2 processes' in errors[0], result.stderr
+    assert 'train.py", line' not in result.stderr  # no traceback of ours (torchrun adds its own report)
+
+
+@pytest.mark.parametrize('arg,message', [
+    ('--batch_size=-1', 'batch_size=-1 is out of range; it must be at least 1'),
+    ('--eval_tokens=0', 'eval_tokens=0 is out of range'),
+    ('--eval_interval=0', 'eval_interval=0 is out of range'),
+    ('--log_interval=0', 'log_interval=0 is out of range'),
+    ('--gradient_accumulation_steps=0', 'gradient_accumulation_steps=0 is out of range'),
+    ('--eval_tokens=100', 'at least block_size=128'),
+    ('--beta2=1.5', 'in [0, 1)'),
+    ('--learning_rate=0', 'above 0'),
+    ('--mgr_fallback_p=-2', '-1 (no inversion) or at least 0'),
+    ('--n_layer=0', 'n_layer must be at least 1'),
+    ('--dropout=1.0', 'dropout must be in [0, 1)'),
+    ('--init_from=latest', 'scratch or resume'),
+    ('--device=gpu', "device='gpu' is not a device"),
+    ('--dtype=float16', 'choose one of: auto, float32, bfloat16'),
+])
+def test_every_number_and_choice_is_checked_before_anything_is_written(arg, message, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert message in exit_message(train.main, [arg, f'--out_dir={tmp_path / "o"}', f'--data_dir={tmp_path / "d"}'])
+    assert not (tmp_path / 'o').exists() and not (tmp_path / 'd').exists()
+
+
+def test_a_device_this_machine_lacks_is_named_with_the_ones_it_has(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip('this machine has CUDA')
+    message = exit_message(train.main, ['--device=cuda', f'--out_dir={tmp_path / "o"}'])
+    assert "device='cuda' is not available" in message and 'devices here: cpu' in message
+    assert not (tmp_path / 'o').exists()
+
+
+def test_a_broken_config_file_is_named_with_its_line(tmp_path):
+    config = tmp_path / 'broken.py'
+    config.write_text('n_layer = 3\nlearning_rate = = 2e-3\n')
+    assert exit_message(train.main, [str(config)]) == f"error: config file {config}, line 2: invalid syntax"
+    config.write_text('n_layer = 3\n\nlearning_rate = 1 / 0\n')
+    assert exit_message(train.main, [str(config)]) == (f"error: config file {config}, line 3: "
+                                                       f"ZeroDivisionError: division by zero")
+
+
+def test_an_empty_checkpoint_is_named_and_best_pt_is_mentioned(tmp_path, data_dir):
+    train.main([f'--out_dir={tmp_path}', f'--data_dir={data_dir}', '--max_iters=2', '--eval_interval=2', *TINY_TRAIN])
+    (tmp_path / 'ckpt.pt').write_bytes(b'')
+    for main, args in [(train.main, ['--init_from=resume']), (sample.main, [])]:
+        message = exit_message(main, [f'--out_dir={tmp_path}', *args])
+        assert message.startswith(f"error: checkpoint {tmp_path / 'ckpt.pt'} is unreadable (it is empty)")
+        assert str(tmp_path / 'best.pt') in message and 'weights_only' not in message
+    assert (tmp_path / 'ckpt.pt').read_bytes() == b''
+
+
+def test_ctrl_c_says_where_the_last_checkpoint_is_and_how_to_resume(tmp_path, data_dir):
+    out = tmp_path / 'run'
+    args = ['--dataset=pydoc', f'--data_dir={data_dir}', '--max_iters=100000', '--eval_interval=5', '--log_interval=1',
+            f'--out_dir={out}', *TINY_TRAIN]
+    proc = subprocess.Popen([sys.executable, str(ROOT / 'train.py'), *args], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    while proc.poll() is None and max(read_train_losses(out / 'log.jsonl') if (out / 'log.jsonl').exists()
+                                      else {}, default=0) < 7:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate()
+    assert proc.returncode == 130 and 'Traceback' not in stderr, stderr
+    saved = load_checkpoint(str(out / 'ckpt.pt'))['iter_num']
+    line = stderr.strip().splitlines()[-1]
+    assert f"the last checkpoint, {out / 'ckpt.pt'}, is from iter {saved}" in line
+    assert f"python train.py --out_dir={out} --init_from=resume" in line
+
+
+def test_a_resumed_log_tells_one_history(tmp_path, data_dir):
+    """The rows a killed run wrote past its last checkpoint are dropped on resume, so every
+    iteration appears once, with the losses of the resumed run."""
+    train.main([f'--out_dir={tmp_path}', f'--data_dir={data_dir}', '--eval_interval=4', '--log_interval=1',
+                '--max_iters=6', *TINY_TRAIN])  # its last checkpoint: iter 6
+    log = tmp_path / 'log.jsonl'
+    killed_rows = ''.join(json.dumps({'iter': it, 'loss': -1.0}) + '\n' for it in (7, 8)) + '{"iter": 9, "lo'
+    log.write_text(log.read_text().replace('{"event": "done"', '{"event": "killed"') + killed_rows)
+    train.main(['--init_from=resume', f'--out_dir={tmp_path}', '--max_iters=8'])
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r['iter'] for r in rows if 'loss' in r] == list(range(1, 9))
+    assert all(r['loss'] > 0 for r in rows if 'loss' in r)  # the resumed run's, not the killed run's
+    assert [r['iter'] for r in rows if 'val_loss' in r and 'event' not in r] == [0, 4, 6, 8]
+    assert [r['event'] for r in rows if 'event' in r] == ['start', 'killed', 'resume', 'done']
+
+
+def test_tokens_per_second_counts_training_steps_only(tmp_path, data_dir, monkeypatch):
+    """An evaluation that takes 2 s does not lower the logged tokens/s of the steps around it."""
+    import data
+    real_evaluate = data.evaluate
+
+    def slow_evaluate(*args):
+        time.sleep(2.0)
+        return real_evaluate(*args)
+    monkeypatch.setattr(data, 'evaluate', slow_evaluate)
+    train.main([f'--out_dir={tmp_path}', f'--data_dir={data_dir}', '--max_iters=4', '--eval_interval=2',
+                '--log_interval=4', '--batch_size=2', *TINY_TRAIN[:4]])
+    rate = [json.loads(line) for line in open(tmp_path / 'log.jsonl') if '"tokens_per_s"' in line][0]['tokens_per_s']
+    assert rate > 4 * 2 * 32 / 2.0  # the 4 steps' 256 tokens took far less than the 2 s evaluation
+
+
+def test_wandb_gets_what_the_log_gets(tmp_path, data_dir, monkeypatch):
+    calls = []
+    fake = type(sys)('wandb')
+    fake.init = lambda **kwargs: calls.append(('init', kwargs))
+    fake.log = lambda record, step: calls.append(('log', step, record))
+    fake.finish = lambda: calls.append(('finish',))
+    monkeypatch.setitem(sys.modules, 'wandb', fake)
+    train.main([f'--out_dir={tmp_path / "run7"}', f'--data_dir={data_dir}', '--max_iters=4', '--eval_interval=2',
+                '--log_interval=2', '--wandb_log=True', '--wandb_project=p', *TINY_TRAIN])
+    assert calls[0][0] == 'init' and calls[0][1]['project'] == 'p' and calls[0][1]['name'] == 'run7'
+    assert calls[0][1]['config']['max_iters'] == 4 and calls[-1] == ('finish',)
+    logged = {(step, key) for _, step, record in (c for c in calls if c[0] == 'log') for key in record}
+    assert {(2, 'loss'), (2, 'val_loss'), (4, 'val_bpc'), (4, 'tokens_per_s')} <= logged
+    monkeypatch.setitem(sys.modules, 'wandb', None)  # not installed
+    assert 'pip install wandb' in exit_message(train.main, [f'--out_dir={tmp_path / "x"}', f'--data_dir={data_dir}',
+                                                           '--wandb_log=True', *TINY_TRAIN])
+
+
+def test_compile_says_that_it_compiles(tmp_path, data_dir, capsys, monkeypatch):
+    monkeypatch.setattr(torch, 'compile', lambda model: model)  # the message, not the compiler, is under test
+    train.main([f'--out_dir={tmp_path}', f'--data_dir={data_dir}', '--max_iters=1', '--eval_interval=1',
+                '--compile=True', *TINY_TRAIN])
+    assert 'compiling the model with torch.compile' in capsys.readouterr().err
+
+
+@pytest.mark.parametrize('script', ['train.py', 'sample.py', 'bench.py', 'analyze.py', 'sweep.py', 'data.py'])
+def test_every_script_answers_help(script, tmp_path):
+    result = run_cli(script, '--help', cwd=tmp_path)
+    assert result.returncode == 0 and f'python {script}' in result.stdout, result.stdout + result.stderr
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_tools_check_their_numbers():
+    import analyze
+    import bench
+    assert 'steps=0 is out of range' in exit_message(bench.main, ['--steps=0'])
+    assert 'temperature=0.0 is out of range' in exit_message(sample.main, ['--temperature=0'])
+    assert 'batch_size=0 is out of range' in exit_message(analyze.main, ['--batch_size=0'])

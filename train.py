@@ -8,7 +8,10 @@ Train a GPT with a chosen residual method, nanoGPT-style.
     torchrun --standalone --nproc_per_node=2 train.py --device=cpu   # DDP (gloo on CPU)
 
 Every default below, and every field of model.GPTConfig, is a key. Values are type-checked
-against the defaults; unknown keys and bad values fail with a message naming the valid ones.
+against the defaults and range-checked before anything is written; unknown keys and bad values
+fail with one line naming the key and what would be right. Under DDP the global batch stays
+gradient_accumulation_steps x batch_size sequences: the processes share out whole micro-steps
+when they divide evenly, else the sequences of every micro-step.
 """
 import json
 import math
@@ -53,9 +56,13 @@ min_lr = 2e-4
 # system
 device = 'auto'  # auto = cuda > mps > cpu; or e.g. cpu, cuda, cuda:1
 dtype = 'auto'  # auto = bfloat16 on a GPU that supports it, else float32
-compile = False
+compile = False  # torch.compile the model (the first steps then take a while)
 kernels = 'auto'  # how the routing runs (kernels.py): reference, torch, triton; auto = triton on CUDA, else torch
 mgr_fallback_p = 1  # MGR's fast backward inverts the lerp, keeping p originals per token; -1 = no inversion
+# logging to Weights & Biases (optional: pip install wandb), the records of log.jsonl
+wandb_log = False
+wandb_project = 'residual-routing'
+wandb_run_name = ''  # '' = the out_dir's name
 # -----------------------------------------------------------------------------
 
 MODEL_KEYS = [f.name for f in fields(GPTConfig) if f.name != 'vocab_size']  # vocab_size comes from the dataset
@@ -65,22 +72,42 @@ def default_config():
     return {**{f.name: f.default for f in fields(GPTConfig) if f.name in MODEL_KEYS}, **configurator.keys_of(globals())}
 
 
+AT_LEAST_1, AT_LEAST_0 = (lambda v: v >= 1, 'at least 1'), (lambda v: v >= 0, 'at least 0')
+RULES = {  # the ranges of this script's numbers (the model's are checked by GPTConfig)
+    'eval_interval': AT_LEAST_1, 'eval_tokens': AT_LEAST_1, 'log_interval': AT_LEAST_1, 'seed': AT_LEAST_0,
+    'batch_size': AT_LEAST_1, 'gradient_accumulation_steps': AT_LEAST_1, 'max_iters': AT_LEAST_0,
+    'learning_rate': (lambda v: v > 0, 'above 0'), 'min_lr': AT_LEAST_0, 'weight_decay': AT_LEAST_0,
+    'beta1': (lambda v: 0 <= v < 1, 'in [0, 1)'), 'beta2': (lambda v: 0 <= v < 1, 'in [0, 1)'),
+    'grad_clip': AT_LEAST_0, 'warmup_iters': AT_LEAST_0, 'lr_decay_iters': AT_LEAST_0,
+    'mgr_fallback_p': (lambda v: v >= -1, '-1 (no inversion) or at least 0'),
+    'init_from': (lambda v: v in ('scratch', 'resume'), 'scratch or resume'),
+}
+
+
 def parse_config(argv):
-    """This script's config (see configurator.py) and the keys set explicitly."""
+    """This script's config (see configurator.py) and the keys set explicitly; exits with one
+    line on a bad key or value."""
     cfg, given = configurator.parse(argv, default_config(), __doc__)
-    if cfg['init_from'] not in ('scratch', 'resume'):
-        sys.exit(f"error: init_from={cfg['init_from']!r}; choose scratch or resume")
+    configurator.check(cfg, RULES)
+    if cfg['eval_tokens'] < cfg['block_size']:
+        sys.exit(f"error: eval_tokens={cfg['eval_tokens']} is less than one validation window; it must be at least "
+                 f"block_size={cfg['block_size']}")
+    try:
+        GPTConfig(**{k: cfg[k] for k in MODEL_KEYS})
+    except ValueError as e:
+        sys.exit(f"error: {e}")
     return cfg, given
 
 
 # ----------------------------------------------------------------------------- batches, learning rate, metrics
 
 def draw_offsets(generator, n_tokens, block_size, micro_steps, batch_size, rank, world):
-    """One step's batch start offsets (micro-steps, batch) for this rank. The generator is seeded
-    alike on every rank and draws the global batch; rank r keeps micro-steps r, r+world, ... So
-    ranks see different data, together exactly one process's, and resume restores it exactly."""
+    """One step's batch start offsets for this rank, as (micro-steps, sequences). The generator is
+    seeded alike on every rank and draws the global batch (micro_steps, batch_size); rank r keeps
+    micro-steps r, r+world, ... when they divide evenly, else sequences r, r+world, ... of every
+    micro-step. So ranks see different data, together exactly one process's, and resume restores it."""
     offsets = torch.randint(n_tokens - block_size, (micro_steps, batch_size), generator=generator)
-    return offsets[rank::world]
+    return offsets[rank::world] if micro_steps % world == 0 else offsets[:, rank::world]
 
 
 def get_lr(it, cfg):
@@ -123,7 +150,7 @@ def resume_config(cfg, given):
 
 def build(cfg, device):
     """The dataset and the model; raises DataError or ValueError on bad input."""
-    ds = data.load(cfg['dataset'], cfg['data_dir'])
+    ds = data.load(cfg['dataset'], cfg['data_dir'], download=False)  # no multi-GB download unasked
     for split in ('train', 'val'):
         if len(ds.splits[split]) <= cfg['block_size']:
             raise data.DataError(f"the {split} split of {cfg['dataset']} has {len(ds.splits[split])} tokens, "
@@ -143,9 +170,10 @@ def main(argv):
         backend = 'nccl' if cfg['device'] != 'cpu' and torch.cuda.is_available() else 'gloo'
         torch.distributed.init_process_group(backend=backend)
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        if cfg['gradient_accumulation_steps'] % world:
-            sys.exit(f"error: gradient_accumulation_steps={cfg['gradient_accumulation_steps']} must be a "
-                     f"multiple of the number of processes ({world})")
+        if cfg['gradient_accumulation_steps'] % world and cfg['batch_size'] % world:
+            sys.exit(f"error: the global batch of gradient_accumulation_steps={cfg['gradient_accumulation_steps']} x "
+                     f"batch_size={cfg['batch_size']} sequences cannot be shared out evenly over {world} processes; "
+                     f"make one of them a multiple of {world}")
     else:
         rank, world = 0, 1
     master = rank == 0
@@ -186,16 +214,25 @@ def main(argv):
             torch.set_rng_state(ckpt['rng']['torch'])  # dropout; other ranks keep their own seeds
         del ckpt
     if cfg['compile']:
+        if master:
+            print("compiling the model with torch.compile: the first steps take a while (minutes for deep models "
+                  "on a CPU)", file=sys.stderr)
         model = torch.compile(model)
     if ddp:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == 'cuda' else None)
 
     log_path = os.path.join(cfg['out_dir'], 'log.jsonl')
+    if master and resumed_from >= 0:
+        keep_history(log_path, resumed_from)
+    wandb = start_wandb(cfg) if master and cfg['wandb_log'] else None
 
     def log(record):
         if master:
             with open(log_path, 'a') as f:
                 f.write(json.dumps(record) + '\n')
+            if wandb is not None and 'iter' in record:
+                wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float)) and k != 'iter'},
+                          step=record['iter'])
 
     G, B, T = cfg['gradient_accumulation_steps'], cfg['batch_size'], cfg['block_size']
     tokens_per_iter = G * B * T
@@ -209,67 +246,80 @@ def main(argv):
               f"(vocab {ds.vocab_size}), {tokens_per_iter:,} tokens/step, {world} process(es) on {device} {dtype}, "
               f"kernels {kernels_used}")
     log({'event': 'resume' if resumed_from >= 0 else 'start', 'iter': iter_num, 'config': cfg})
-    def stop_nonfinite(what, value):
+
+    def stop(message):
         bar.close()
-        sys.exit(f"error: {what} loss is {value} at iter {iter_num}; stopped. The last good checkpoint is kept "
-                 f"in {cfg['out_dir']}. Try a lower learning_rate, or dtype=float32.")
-
-    metrics = {}
-    bar = tqdm(total=cfg['max_iters'], initial=iter_num, disable=not master, dynamic_ncols=True, desc='train')
-    t_start = t_last = time.time()
-    while True:
-        if master and (iter_num == cfg['max_iters'] or iter_num % cfg['eval_interval'] == 0) and iter_num != resumed_from:
-            val_loss = data.evaluate(raw_model, val_tokens, T, cfg['eval_tokens'], B, device, ctx)
-            if not math.isfinite(val_loss):
-                stop_nonfinite('val', val_loss)
-            metrics = val_metrics(val_loss, ds.char_level)
-            bar.write(f"iter {iter_num}: " + ', '.join(f'{k} {v:.4f}' for k, v in metrics.items()))
-            log({'iter': iter_num, **metrics})
-            best_val_loss = min(best_val_loss, val_loss)
-            checkpoint = {
-                'model': raw_model.state_dict(), 'optimizer': optimizer.state_dict(),
-                'model_args': asdict(raw_model.config), 'config': cfg, 'iter_num': iter_num,
-                'val_loss': val_loss, 'best_val_loss': best_val_loss,
-                'rng': {'torch': torch.get_rng_state(), 'data': data_gen.get_state()},
-            }
-            save_checkpoint(checkpoint, os.path.join(cfg['out_dir'], 'ckpt.pt'))
-            if val_loss == best_val_loss:
-                save_checkpoint(checkpoint, os.path.join(cfg['out_dir'], 'best.pt'))
-        if iter_num >= cfg['max_iters']:
-            break
-
-        lr = get_lr(iter_num, cfg)
-        for group in optimizer.param_groups:
-            group['lr'] = lr
-        offsets = draw_offsets(data_gen, len(train_tokens), T, G, B, rank, world)
-        loss_sum = torch.zeros((), device=device)
-        for micro, micro_offsets in enumerate(offsets):
-            x, y = data.get_batch(train_tokens, micro_offsets.tolist(), T, device)
-            if ddp:  # all-reduce gradients on the last micro-step only
-                model.require_backward_grad_sync = micro == len(offsets) - 1
-            with ctx:
-                _, loss = model(x, y)
-            (loss / len(offsets)).backward()  # DDP then averages over ranks: the mean over all G
-            loss_sum += loss.detach() / len(offsets)
-        if cfg['grad_clip']:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg['grad_clip'])
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
         if ddp:
-            torch.distributed.all_reduce(loss_sum)
-            loss_sum /= world
-        lossf = loss_sum.item()
-        if not math.isfinite(lossf):
-            stop_nonfinite('training', lossf)
-        iter_num += 1
-        bar.update(1)
-        if iter_num % cfg['log_interval'] == 0 or iter_num == cfg['max_iters']:
-            now = time.time()
-            steps = cfg['log_interval'] if iter_num % cfg['log_interval'] == 0 else iter_num % cfg['log_interval']
-            tok_s = steps * tokens_per_iter / max(now - t_last, 1e-9)
-            t_last = now
-            bar.set_postfix(loss=f'{lossf:.4f}', tok_s=f'{tok_s:,.0f}')
-            log({'iter': iter_num, 'loss': lossf, 'lr': lr, 'tokens_per_s': tok_s})
+            torch.distributed.destroy_process_group()
+        sys.exit(message if master else 1)
+
+    metrics, saved_iter = {}, resumed_from
+    bar = tqdm(total=cfg['max_iters'], initial=iter_num, disable=not master, dynamic_ncols=True, desc='train')
+    t_start, train_time, logged_steps = time.time(), 0.0, 0
+    try:
+        while True:
+            if master and (iter_num == cfg['max_iters'] or iter_num % cfg['eval_interval'] == 0) and iter_num != resumed_from:
+                val_loss = data.evaluate(raw_model, val_tokens, T, cfg['eval_tokens'], B, device, ctx)
+                if not math.isfinite(val_loss):
+                    stop(f"error: val loss is {val_loss} at iter {iter_num}; stopped. The last good checkpoint is kept "
+                         f"in {cfg['out_dir']}. Try a lower learning_rate, or dtype=float32.")
+                metrics = val_metrics(val_loss, ds.char_level)
+                bar.write(f"iter {iter_num}: " + ', '.join(f'{k} {v:.4f}' for k, v in metrics.items()))
+                log({'iter': iter_num, **metrics})
+                best_val_loss = min(best_val_loss, val_loss)
+                checkpoint = {
+                    'model': raw_model.state_dict(), 'optimizer': optimizer.state_dict(),
+                    'model_args': asdict(raw_model.config), 'config': cfg, 'iter_num': iter_num,
+                    'val_loss': val_loss, 'best_val_loss': best_val_loss,
+                    'rng': {'torch': torch.get_rng_state(), 'data': data_gen.get_state()},
+                }
+                save_checkpoint(checkpoint, os.path.join(cfg['out_dir'], 'ckpt.pt'))
+                saved_iter = iter_num
+                if val_loss == best_val_loss:
+                    save_checkpoint(checkpoint, os.path.join(cfg['out_dir'], 'best.pt'))
+            if iter_num >= cfg['max_iters']:
+                break
+
+            t0 = time.time()
+            lr = get_lr(iter_num, cfg)
+            for group in optimizer.param_groups:
+                group['lr'] = lr
+            offsets = draw_offsets(data_gen, len(train_tokens), T, G, B, rank, world)
+            loss_sum = torch.zeros((), device=device)
+            for micro, micro_offsets in enumerate(offsets):
+                x, y = data.get_batch(train_tokens, micro_offsets.tolist(), T, device)
+                if ddp:  # all-reduce gradients on the last micro-step only
+                    model.require_backward_grad_sync = micro == len(offsets) - 1
+                with ctx:
+                    _, loss = model(x, y)
+                (loss / len(offsets)).backward()  # DDP then averages over ranks: the mean over the global batch
+                loss_sum += loss.detach() / len(offsets)
+            if cfg['grad_clip']:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg['grad_clip'])
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if ddp:
+                torch.distributed.all_reduce(loss_sum)
+                loss_sum /= world
+            lossf = loss_sum.item()
+            if not math.isfinite(lossf):
+                stop(f"error: training loss is {lossf} at iter {iter_num}; stopped. The last good checkpoint is kept "
+                     f"in {cfg['out_dir']}. Try a lower learning_rate, or dtype=float32.")
+            train_time, logged_steps = train_time + time.time() - t0, logged_steps + 1
+            iter_num += 1
+            bar.update(1)
+            if iter_num % cfg['log_interval'] == 0 or iter_num == cfg['max_iters']:
+                tok_s = logged_steps * tokens_per_iter / max(train_time, 1e-9)  # training steps only, not evaluation
+                train_time, logged_steps = 0.0, 0
+                bar.set_postfix(loss=f'{lossf:.4f}', tok_s=f'{tok_s:,.0f}')
+                log({'iter': iter_num, 'loss': lossf, 'lr': lr, 'tokens_per_s': tok_s})
+    except KeyboardInterrupt:  # Ctrl-C: say where the run can go on from
+        bar.close()
+        if master:
+            print(f"interrupted at iter {iter_num}; the last checkpoint, {os.path.join(cfg['out_dir'], 'ckpt.pt')}, is "
+                  f"from iter {saved_iter}: continue with  python train.py --out_dir={cfg['out_dir']} --init_from=resume"
+                  if saved_iter >= 0 else f"interrupted at iter {iter_num}, before the first checkpoint", file=sys.stderr)
+        sys.exit(130)
     bar.close()
     if metrics:
         log({'event': 'done', 'iter': iter_num, **metrics})
@@ -281,10 +331,47 @@ def main(argv):
                   f", ppl {metrics['val_ppl']:.3f} at iter {iter_num} ({wall:.0f}s)")
         else:
             print(f"{cfg['out_dir']} already finished at iter {iter_num}; nothing to do")
+    if wandb is not None:
+        wandb.finish()
     if ddp:
         torch.distributed.destroy_process_group()
     return metrics
 
 
+def keep_history(log_path, resumed_from):
+    """On resume, drop the log rows past the checkpoint (the killed run's last steps, which the
+    resumed run does again), so that log.jsonl tells one history. Atomic, like the checkpoints."""
+    if not os.path.exists(log_path):
+        return
+    with open(log_path) as f:
+        lines = [line for line in f if line.strip()]
+    kept = []
+    for line in lines:
+        try:
+            if json.loads(line).get('iter', 0) <= resumed_from:
+                kept.append(line)
+        except json.JSONDecodeError:  # a line cut short by the kill
+            pass
+    with open(log_path + '.tmp', 'w') as f:
+        f.writelines(kept)
+    os.replace(log_path + '.tmp', log_path)
+
+
+def start_wandb(cfg):
+    """Weights & Biases, imported only when --wandb_log=True (an optional dependency)."""
+    try:
+        import wandb
+    except ImportError:
+        sys.exit("error: --wandb_log=True needs the wandb package: pip install wandb")
+    wandb.init(project=cfg['wandb_project'], name=cfg['wandb_run_name'] or os.path.basename(os.path.abspath(cfg['out_dir'])),
+               config=cfg)
+    return wandb
+
+
 if __name__ == '__main__':
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except SystemExit as stop:  # under torchrun, rank 0 alone says what went wrong
+        if int(os.environ.get('RANK', 0)) != 0 and isinstance(stop.code, str):
+            sys.exit(1)
+        raise
