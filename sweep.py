@@ -33,10 +33,9 @@ FINEWEB_VARIANTS = [['--residual=prenorm'], ['--residual=mhc_lite'], ['--residua
                     ['--residual=attnres']] + [['--residual=mgr', f'--mgr_gate={gate}', f'--mgr_streams={n}']
                                                for n in (4, 8) for gate in ('independent', 'competitive')]
 GRIDS = {
-    # the CPU-scale depth trend: 4/8/16 layers, width 64, 1.5M characters of text8 per run; about
-    # 50 minutes with --jobs=2 on 2 cores (add '--residual=mgr' to the variants for 25 more).
+    # the CPU depth trend: prenorm, block_attnres and wav at 24, 12 and 6 layers of width 64, three seeds.
     # Deepest first: the long runs start early and the short ones fill in, so both jobs end together.
-    'cpu_trend': dict(configs=[['config/cpu_text8.py', f'--n_layer={n}'] for n in (16, 8, 4)],
+    'cpu_depth': dict(configs=[['config/cpu_depth.py', f'--n_layer={n}'] for n in (24, 12, 6)],
                       variants=[[f'--residual={r}'] for r in ('prenorm', 'block_attnres', 'wav')],
                       seeds=[0, 1, 2]),
     # the learning rate of cpu_methods: prenorm and block_attnres at four rates, one seed

@@ -140,3 +140,18 @@ def test_sweep_runs_a_grid_skips_finished_runs_resumes_interrupted_ones_and_repo
     assert (tmp_path / 'results' / 'tiny' / 'results.md').read_text() == markdown
     shutil.rmtree(runs_dir)  # the committed result files alone rebuild the same table
     assert sweep.report('tiny', runs_dir, results_dir) == markdown
+
+
+def test_activations_of_silent_sublayers_are_the_embedding_at_every_depth():
+    """With every output projection at zero, every update is zero, so PreNorm's sublayers all read
+    e itself: the recorded input RMS is RMS(e) at every depth, and max-abs likewise."""
+    model = tiny_model('prenorm', n_layer=3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith('c_proj.weight'):
+                p.zero_()
+    idx = torch.randint(27, (2, 16), generator=torch.Generator().manual_seed(0))
+    stats = analyze.activation_stats(analyze.record(model.eval(), idx)['inputs'])
+    e = model.transformer.wte(idx) + model.transformer.wpe(torch.arange(16))
+    assert stats['rms'] == pytest.approx([e.pow(2).mean().sqrt().item()] * 6, rel=1e-6)
+    assert stats['max_abs'] == pytest.approx([e.abs().max().item()] * 6, rel=1e-6)

@@ -69,7 +69,10 @@ def test_training_lowers_val_loss_on_real_text(residual, tmp_path, data_dir):
 @pytest.mark.parametrize('backend', BACKENDS)
 @pytest.mark.parametrize('residual', METHODS)
 def test_48_layers_give_finite_logits_and_gradients(residual, backend):
-    model = tiny_model(residual, n_layer=48, n_embd=16, n_head=2, block_size=8)
+    """48 layers (through Triton's interpreter, which runs the same kernels some 100x slower, 12: at
+    that depth every schedule still has several chunks or blocks, the last one short)."""
+    n_layer = 12 if backend == 'triton' else 48
+    model = tiny_model(residual, n_layer=n_layer, n_embd=16, n_head=2, block_size=8)
     model.set_kernels(backend)
     idx = torch.randint(27, (2, 8))
     logits, loss = model(idx, idx)
