@@ -313,34 +313,35 @@ def read_all(query, sources, bias, backend):
     return read_many(query[None], sources, None if bias is None else bias[None], backend)[0][0]
 
 
-def attnres(module, x, sublayers, backend, mgr_fallback_p):
-    """Full AttnRes in chunks of about sqrt(L) sublayers: the chunk's queries read the finished
-    sources in one pass, and each merges the chunk's own fresh updates."""
-    queries, L, sources = module.read.queries, len(sublayers), [x]
-    chunk = max(1, math.isqrt(L))
+def chunked(queries, e, L, backend, step):
+    """Full AttnRes's reads in chunks of about sqrt(L) sublayers: the chunk's queries read the
+    finished sources in one pass, and each merges the chunk's own fresh updates. step(i, read) runs
+    sublayer i on its read and returns its update. Returns the sources e, u_0, ..., u_{L-1}."""
+    sources, chunk = [e], max(1, math.isqrt(L))
     for start in range(0, L, chunk):
         m = min(chunk, L - start)
         finished, fresh = read_many(queries[start:start + m], sources, None, backend), []
         for k in range(m):
-            fresh.append(sublayers[start + k](read_on(finished[k], queries[start + k], fresh, None, backend)))
+            fresh.append(step(start + k, read_on(finished[k], queries[start + k], fresh, None, backend)))
         sources = sources + fresh
+    return sources
+
+
+def attnres(module, x, sublayers, backend, mgr_fallback_p):
+    """Full AttnRes, chunked; the output mixer reads every source."""
+    queries, L = module.read.queries, len(sublayers)
+    sources = chunked(queries, x, L, backend, lambda i, read: sublayers[i](read))
     return read_all(queries[L], sources, None, backend)
 
 
 def delta_attnres(module, x, sublayers, backend, mgr_fallback_p):
-    """Delta AttnRes with Full AttnRes's chunked reads of the deltas."""
-    queries, L, deltas = module.read.queries, len(sublayers), [x]
-    chunk = max(1, math.isqrt(L))
-    for start in range(0, L, chunk):
-        m = min(chunk, L - start)
-        finished, fresh = read_many(queries[start:start + m], deltas, None, backend), []
-        for k in range(m):
-            i = start + k
-            read = read_on(finished[k], queries[i], fresh, None, backend)
-            u = sublayers[i](x + torch.sigmoid(module.gate_logit[i]) * read)
-            x = x + u
-            fresh.append(u)
-        deltas = deltas + fresh
+    """Delta AttnRes with Full AttnRes's chunked reads of the deltas; x is the PreNorm stream."""
+    def step(i, read):
+        nonlocal x
+        u = sublayers[i](x + torch.sigmoid(module.gate_logit[i]) * read)
+        x = x + u
+        return u
+    chunked(module.read.queries, x, len(sublayers), backend, step)
     return x
 
 

@@ -252,7 +252,10 @@ def plot(results, rows, path):
     groups = list(dict.fromkeys(r['group'] for r in results))
     methods = list(dict.fromkeys(r['method'] for r in results))
     colors = {m: plt.cm.tab10(k % 10) for k, m in enumerate(methods)}
-    fig, axes = plt.subplots(1, 1 + len(REFERENCES), figsize=(6 + 5 * len(REFERENCES), 5), layout='constrained')
+    references = [ref for ref in REFERENCES if any(ref in row['versus'] for row in rows)]
+    fig, axes = plt.subplots(1, 1 + len(references), figsize=(6 + 5 * len(references), 5), layout='constrained',
+                             squeeze=False)
+    axes = axes[0]
     ax = axes[0]
     for group in groups[-1:]:  # the curves of the last config (the deepest in a depth grid)
         for method in methods:
@@ -266,7 +269,7 @@ def plot(results, rows, path):
             ax.fill_between(x, [min(v) for v in values], [max(v) for v in values], color=colors[method], alpha=0.2)
         ax.set(title=f"{group}: val loss, mean and min-max over seeds", xlabel='iteration', ylabel='val loss (nats)')
     ax.legend(fontsize=7)
-    for ax, ref in zip(axes[1:], REFERENCES):
+    for ax, ref in zip(axes[1:], references):
         compared = [m for m in methods if any(row['method'] == m and ref in row['versus'] for row in rows)]
         width = 0.8 / max(1, len(compared))
         for k, method in enumerate(compared):

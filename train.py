@@ -187,6 +187,13 @@ def main(argv):
     except ValueError as e:
         sys.exit(f"error: {e}")
     torch.manual_seed(cfg['seed'] + rank)
+    if ckpt is not None and ckpt.get('threads', torch.get_num_threads()) != torch.get_num_threads():
+        # CPU results depend on the number of threads (they split the sums), so a resumed run takes the
+        # run's own number to compute what the uninterrupted run would have
+        if master:
+            print(f"note: resuming with the {ckpt['threads']} CPU thread(s) this run was started with (this process "
+                  f"has {torch.get_num_threads()}), to repeat its arithmetic exactly", file=sys.stderr)
+        torch.set_num_threads(ckpt['threads'])
     try:
         if ddp and not master:
             torch.distributed.barrier()  # rank 0 prepares (downloads) the dataset first, alone
@@ -272,6 +279,7 @@ def main(argv):
                     'model_args': asdict(raw_model.config), 'config': cfg, 'iter_num': iter_num,
                     'val_loss': val_loss, 'best_val_loss': best_val_loss,
                     'rng': {'torch': torch.get_rng_state(), 'data': data_gen.get_state()},
+                    'threads': torch.get_num_threads(),
                 }
                 save_checkpoint(checkpoint, os.path.join(cfg['out_dir'], 'ckpt.pt'))
                 saved_iter = iter_num
