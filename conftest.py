@@ -41,8 +41,17 @@ TINY_TRAIN = ['--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=32', '--
 needs_triton = pytest.mark.skipif(kernels.triton is None, reason='triton is not installed (pip install triton; Linux)')
 # every way to run the routing on CPU tensors: the classes as written, their PyTorch twins, and the
 # Triton kernels through the interpreter (on a GPU machine the kernels' own tests run them compiled)
-BACKENDS = ['reference', 'torch', pytest.param('triton', marks=[needs_triton, pytest.mark.skipif(
-    KERNEL_DEVICE.type == 'cuda', reason="CPU tensors; with a GPU, test_kernels.py runs the kernels compiled")])]
+TRITON_MARKS = [needs_triton, pytest.mark.skipif(KERNEL_DEVICE.type == 'cuda',
+                                                 reason="CPU tensors; with a GPU, test_kernels.py runs the kernels compiled")]
+BACKENDS = ['reference', 'torch', pytest.param('triton', marks=TRITON_MARKS)]
+
+
+def on_backends(cases, through_triton):
+    """Parameters (*case, backend): every case on reference and torch, and the cases in through_triton
+    on triton too (its interpreter runs the kernels some 100x slower than PyTorch)."""
+    return [pytest.param(*case, backend, marks=TRITON_MARKS if backend == 'triton' else ())
+            for case in cases for backend in ('reference', 'torch', 'triton')
+            if backend != 'triton' or case in through_triton]
 
 
 def tiny_model(residual, seed=0, **overrides):

@@ -14,7 +14,7 @@ import data
 import kernels
 import residuals
 import train
-from conftest import (BACKENDS, METHODS, README, REAL_TEXT, TINY_TRAIN, fake_sublayers, randomize_routing,
+from conftest import (BACKENDS, METHODS, on_backends, README, REAL_TEXT, TINY_TRAIN, fake_sublayers, randomize_routing,
                       routing, tiny_model, unigram_entropy)
 from model import GPTConfig
 from residuals import RESIDUALS, DepthAttention
@@ -236,9 +236,10 @@ def test_full_and_delta_attnres_read_every_earlier_source_with_one_softmax(resid
     assert torch.allclose(out, want_out, atol=1e-5)
 
 
-@pytest.mark.parametrize('backend', BACKENDS)
-@pytest.mark.parametrize('n_layer,block,knobs', [(4, 1, {}), (5, 2, {}), (7, 4, {}),
-                                                 (6, 2, {'wav_levels': 2}), (6, 2, {'wav_learned_basis': True})])
+WAV_CASES = [(4, 1, {}), (5, 2, {}), (7, 4, {}), (6, 2, {'wav_levels': 2}), (6, 2, {'wav_learned_basis': True})]
+
+
+@pytest.mark.parametrize('n_layer,block,knobs,backend', on_backends(WAV_CASES, through_triton=WAV_CASES[1::2]))
 def test_wav_with_very_negative_detail_bias_equals_block_attnres(n_layer, block, knobs, backend):
     base = tiny_model('block_attnres', n_layer=n_layer, res_block_size=block)
     randomize_routing(base)
