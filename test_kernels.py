@@ -13,7 +13,7 @@ from torch.func import functional_call
 
 import data
 import kernels
-from conftest import (KERNEL_DEVICE, REAL_TEXT, assert_clean_error, fake_sublayers, needs_triton, randomize_routing,
+from conftest import (KERNEL_DEVICE, METHODS, REAL_TEXT, assert_clean_error, fake_sublayers, needs_triton, randomize_routing,
                       rel_rms, routing, run_cli, tiny_model)
 from residuals import DepthAttention, rms_norm
 
@@ -276,3 +276,22 @@ def test_kernels_knob_errors_are_clear(tmp_path):
     wanted = 'set TRITON_INTERPRET=1' if kernels.triton is not None else 'pip install triton'
     assert_clean_error(result, 'error: kernels=triton', wanted)
     assert not (tmp_path / 'o').exists()
+
+
+@pytest.mark.parametrize('residual', METHODS)
+def test_every_method_compiles_as_one_graph(residual):
+    """torch.compile(fullgraph=True) traces every method on its default path (kernels=torch) without a
+    graph break, and the compiled model gives eager's loss and gradients (backend 'eager': Dynamo's
+    tracing alone, without generating code)."""
+    torch._dynamo.reset()  # one model per test: no recompilation limit shared across them
+    model = tiny_model(residual, n_layer=2, n_embd=24, block_size=8)
+    randomize_routing(model)
+    idx = torch.randint(27, (2, 7), generator=torch.Generator().manual_seed(0))
+    results = []
+    for run in (model, torch.compile(model, fullgraph=True, backend='eager')):
+        _, loss = run(idx, idx)
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+        model.zero_grad()
+    assert torch.allclose(results[0][0], results[1][0], atol=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(results[0][1], results[1][1]))
