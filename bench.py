@@ -5,11 +5,13 @@ Cost of every residual method against prenorm, measured in one process.
     python bench.py --config=deep --methods=prenorm,block_attnres,wav --steps=5
     python bench.py --compile=True --json_path=bench.json
     python bench.py --methods=mgr --mgr_fallback_p=-1   # MGR without the inverting backward
+    python bench.py --config=gpt2 --kernels=triton      # on a GPU: GPT-2 small's shape, bf16
 
 Steps are interleaved (step 1 of every method, then step 2, ...) so that machine noise hits all
 methods alike. Reports the median train-step time (forward + backward + AdamW step), tokens/s,
 the ratio to prenorm, parameters, the bytes that autograd saves for backward (activation memory,
 counted once per storage, parameters excluded; device-independent) and, on CUDA, peak memory.
+With --compile=True, the first step of each method (compilation included) is timed apart.
 """
 import json
 import statistics
@@ -26,6 +28,9 @@ from residuals import RESIDUALS
 CONFIGS = {
     'default': dict(n_layer=12, n_embd=384, n_head=6, block_size=256, batch_size=4),
     'deep': dict(n_layer=48, n_embd=128, n_head=2, block_size=256, batch_size=4),
+    # the papers' GPU shapes: GPT-2 small (12 x 768, context 1024), and 48 layers of it
+    'gpt2': dict(n_layer=12, n_embd=768, n_head=12, block_size=1024, batch_size=8),
+    'gpt2_deep': dict(n_layer=48, n_embd=768, n_head=12, block_size=1024, batch_size=4),
 }
 
 config = 'default'  # a key of CONFIGS
@@ -93,7 +98,7 @@ def main(argv):
             saved = saved_bytes(model, x, y)
         optimizer = model.configure_optimizers(0.1, 1e-4, (0.9, 0.95), dev.type)
         step_model = torch.compile(model) if cfg['compile'] else model
-        runs[name] = dict(model=model, step=step_model, optimizer=optimizer, times=[], saved=saved)
+        runs[name] = dict(model=model, step=step_model, optimizer=optimizer, times=[], saved=saved, first=None)
 
     def train_step(run):
         if dev.type == 'cuda':
@@ -113,6 +118,8 @@ def main(argv):
             if dev.type == 'cuda' and i == cfg['warmup']:
                 torch.cuda.reset_peak_memory_stats()
             dt = train_step(run)
+            if i == 0:
+                run['first'] = dt  # with --compile: compilation and the first step
             if i >= cfg['warmup']:
                 run['times'].append(dt)
         print(f"  round {i + 1}/{cfg['warmup'] + cfg['steps']} done", file=sys.stderr)
@@ -124,12 +131,17 @@ def main(argv):
         median = statistics.median(run['times'])
         results.append(dict(method=name, step_ms=median * 1e3, tokens_per_s=B * T / median,
                             ratio=median / base, params=run['model'].get_num_params(),
-                            saved_mb=run['saved'] / 2**20, saved_ratio=run['saved'] / base_saved))
+                            saved_mb=run['saved'] / 2**20, saved_ratio=run['saved'] / base_saved,
+                            first_step_s=run['first']))
+    first = f" {'compile s':>10}" if cfg['compile'] else ''
     print(f"\n{'method':<14} {'step ms':>9} {'tokens/s':>10} {'x prenorm':>10} {'params':>11} "
-          f"{'saved MB':>9} {'x prenorm':>10}")
+          f"{'saved MB':>9} {'x prenorm':>10}" + first)
     for r in results:
         print(f"{r['method']:<14} {r['step_ms']:>9.1f} {r['tokens_per_s']:>10,.0f} {r['ratio']:>10.2f} "
-              f"{r['params']:>11,} {r['saved_mb']:>9.1f} {r['saved_ratio']:>10.2f}")
+              f"{r['params']:>11,} {r['saved_mb']:>9.1f} {r['saved_ratio']:>10.2f}" +
+              (f" {r['first_step_s']:>10.1f}" if cfg['compile'] else ''))
+    if cfg['compile']:
+        print(f"compile s: the first step, compilation included; {sum(r['first_step_s'] for r in results):.0f} s in all")
     if dev.type == 'cuda':
         print(f"peak CUDA memory over all models: {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
     if cfg['json_path']:
