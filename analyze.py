@@ -180,7 +180,9 @@ def plot(results, folder):
     except ImportError:
         print("note: matplotlib is not installed, so no plots; pip install matplotlib", file=sys.stderr)
         return []
-    label = lambda r: f"{r['residual']} ({os.path.basename(os.path.dirname(r['checkpoint'])) or r['checkpoint']})"
+    names = [r['residual'] for r in results]
+    label = lambda r: r['residual'] if names.count(r['residual']) == 1 else \
+        f"{r['residual']} ({os.path.basename(os.path.dirname(r['checkpoint'])) or r['checkpoint']})"
     written = []
 
     def save(fig, name):
