@@ -5,7 +5,8 @@ computes (plain autograd, the oracle); this file holds every fast path behind on
 
     reference  each class's own forward in residuals.py, exactly as written
     torch      the fast PyTorch twins below: hand-written backwards that keep no stacked copies,
-               two-phase reads, MGR's fused step with its inverting backward
+               two-phase reads, HC's and mHC-lite's streams rebuilt in the backward, MGR's fused
+               step with its inverting backward
     triton     the same schedules with the Triton kernels (CUDA; on CPU tensors through Triton's
                interpreter when TRITON_INTERPRET=1 is set before triton is imported, as the tests do)
     auto       triton on CUDA when it imports, else torch
@@ -22,6 +23,10 @@ backward. The sources are never stacked.
 Two-phase reads (the AttnRes paper's schedule): the queries of a block (or of a chunk of about
 sqrt(L) sublayers for Full and Delta AttnRes) read the finished sources in one pass; each sublayer
 then merges the sources of its own block by an online softmax (the log-sum-exp of the first pass).
+
+HC and mHC-lite keep n copies of the stream; plain autograd saves them at every sublayer (2.1-2.7x
+prenorm's activation memory). The twin keeps only each segment's input streams and the sublayers'
+updates and replays the mixing in the backward, as the mHC paper recomputes its kernels (1.2x).
 
 MGR step: the gates, the streams' convex update and the next sublayer's AttnPool in one pass over
 the streams. Its backward can rebuild the input streams from the output streams by inverting the
@@ -397,6 +402,77 @@ def wav(module, x, sublayers, backend, mgr_fallback_p):
     return read_all(queries[L], sources, detail_bias(module, L, types), backend)
 
 
+# ----------------------------------------------------------------------------- HC and mHC-lite: recomputed streams
+
+class StreamSegment:
+    """A run of consecutive sublayers of a multi-stream method (HC, mHC-lite): the streams entering
+    it and each sublayer's update f(h). Every stream state inside it can be rebuilt from these by
+    replaying the mixing: H_{j+1} = H'_j + post_j f_j with (h_j, H'_j, post_j) = module.mix(j, H_j)."""
+
+    def __init__(self, module, start, streams):
+        self.module, self.start, self.streams = module, start, streams.detach()
+        self.updates, self.rebuilt = [], {}
+
+    def at(self, i, autocast):
+        """The streams entering sublayer i: replayed once for the whole segment, then handed out."""
+        if i not in self.rebuilt:
+            H = self.streams
+            with torch.no_grad(), torch.autocast(**autocast):
+                for j in range(self.start, i + 1):
+                    self.rebuilt[j] = H
+                    if j < i:
+                        _, mixed, post = self.module.mix(j, H)
+                        H = mixed + post.unsqueeze(-1) * self.updates[j - self.start].unsqueeze(-2)
+        return self.rebuilt.pop(i)
+
+
+class StreamMix(torch.autograd.Function):
+    """module.mix(i, H) -> (h, H', post) that saves no streams: its backward rebuilds H from its
+    segment, recomputes the mixing with autograd and backpropagates through it (mHC's recomputation:
+    only each segment's input streams and the sublayers' updates stay alive for the backward)."""
+
+    @staticmethod
+    def forward(ctx, H, segment, i, *params):
+        if i == segment.start:  # the segment keeps its input streams; saved here too, so that autograd
+            ctx.save_for_backward(H)  # checks them for in-place changes and memory accounting sees them
+        ctx.segment, ctx.i = segment, i
+        device = H.device.type
+        ctx.autocast = dict(device_type=device, dtype=torch.get_autocast_dtype(device),
+                            enabled=torch.is_autocast_enabled(device))
+        h, mixed, post = segment.module.mix(i, H)
+        return h.contiguous(), mixed, post  # h alone: HC's h is a row of one tensor with H', which f would keep
+
+    @staticmethod
+    def backward(ctx, grad_h, grad_mixed, grad_post):
+        params = [p for p in ctx.segment.module.parameters()]
+        H = ctx.segment.at(ctx.i, ctx.autocast).detach().requires_grad_()
+        with torch.enable_grad(), torch.autocast(**ctx.autocast):  # the forward's precision
+            outputs = ctx.segment.module.mix(ctx.i, H.view_as(H))  # a view: autocast caches a leaf's cast,
+            # which would sum the gradients of H's uses in bfloat16; the forward's H is no leaf
+        grads = torch.autograd.grad(outputs, [H, *params], [grad_h, grad_mixed, grad_post], allow_unused=True)
+        return grads[0], None, None, *grads[1:]
+
+
+def streams(module, x, sublayers, backend, mgr_fallback_p):
+    """HC and mHC-lite with the streams recomputed in the backward instead of saved: the sublayers
+    are cut into segments of about sqrt(L); a segment keeps its input streams and the updates (which
+    the update's product with post saves anyway), and the backward replays each segment's mixing
+    once. Eager only: compiled, the class's forward runs (the compiler plans its own memory)."""
+    if torch.compiler.is_compiling():
+        return module(x, sublayers)
+    params = list(module.parameters())
+    length = max(1, round(math.sqrt(len(sublayers))))
+    H = x.unsqueeze(-2).expand(*x.shape[:-1], module.n, x.shape[-1])  # e copied into n streams
+    for i, f in enumerate(sublayers):
+        if i % length == 0:
+            segment = StreamSegment(module, i, H)
+        h, mixed, post = StreamMix.apply(H, segment, i, *params)
+        update = f(h)
+        segment.updates.append(update.detach())
+        H = mixed + post.unsqueeze(-1) * update.unsqueeze(-2)
+    return module.readout(H)
+
+
 # ----------------------------------------------------------------------------- MGR step
 
 def _gates(z, bias, competitive):
@@ -692,4 +768,4 @@ def mgr(module, x, sublayers, backend, mgr_fallback_p):
 
 # the fast twins, by the name of the class in residuals.py whose maths each computes
 FAST = {'AttnRes': attnres, 'BlockAttnRes': block_attnres, 'DeltaAttnRes': delta_attnres, 'WAV': wav,
-        'MultiGateResiduals': mgr}
+        'HyperConnections': streams, 'MHCLite': streams, 'MultiGateResiduals': mgr}

@@ -297,14 +297,21 @@ class HyperConnections(nn.Module):
         self.n = config.hc_streams
         self.connections = HCConnections(config)
 
+    def mix(self, i, H):
+        """Sublayer i's input h = A_m^T H, the mixed streams H' = A_r^T H, and B."""
+        width, depth = self.connections(i, H)
+        mixed = width.transpose(-1, -2) @ H  # row 0: h; rows 1..n: H'
+        return mixed[..., 0, :], mixed[..., 1:, :], depth
+
+    def readout(self, H):
+        return H.mean(dim=-2)
+
     def forward(self, x, sublayers):
         H = x.unsqueeze(-2).expand(*x.shape[:-1], self.n, x.shape[-1])  # e copied into n streams
         for i, f in enumerate(sublayers):
-            width, depth = self.connections(i, H)
-            mixed = width.transpose(-1, -2) @ H  # row 0: h = A_m^T H; rows 1..n: H' = A_r^T H
-            h, H = mixed[..., 0, :], mixed[..., 1:, :]
+            h, H, depth = self.mix(i, H)
             H = H + depth.unsqueeze(-1) * f(h).unsqueeze(-2)  # H <- H' + B^T f(h)
-        return H.mean(dim=-2)
+        return self.readout(H)
 
 
 class MHCCoefficients(nn.Module):
@@ -352,13 +359,20 @@ class MHCLite(nn.Module):
         self.n = config.hc_streams
         self.coefficients = MHCCoefficients(config)
 
+    def mix(self, i, x):
+        """Sublayer i's input H_pre x, the mixed streams H_res x, and H_post."""
+        h_pre, h_post, h_res = self.coefficients(i, x)
+        return (h_pre.unsqueeze(-2) @ x).squeeze(-2), h_res @ x, h_post
+
+    def readout(self, x):
+        return x.sum(dim=-2)
+
     def forward(self, x, sublayers):
         x = x.unsqueeze(-2).expand(*x.shape[:-1], self.n, x.shape[-1])  # e copied into n streams
         for i, f in enumerate(sublayers):
-            h_pre, h_post, h_res = self.coefficients(i, x)
-            update = f((h_pre.unsqueeze(-2) @ x).squeeze(-2))
-            x = h_res @ x + h_post.unsqueeze(-1) * update.unsqueeze(-2)
-        return x.sum(dim=-2)
+            h, mixed, h_post = self.mix(i, x)
+            x = mixed + h_post.unsqueeze(-1) * f(h).unsqueeze(-2)  # x <- H_res x + H_post^T f(H_pre x)
+        return self.readout(x)
 
 
 class StreamGates(nn.Module):

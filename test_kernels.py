@@ -1,7 +1,8 @@
 """
 kernels.py: every fast path against the maths it speeds up. DepthMix's hand-written backward
 against autograd and finite differences; the Triton kernels (compiled on a GPU, interpreted on a
-CPU) against DepthMix and the plain MGR in float64; MGR's inverting backward; memory; compilation.
+CPU) against DepthMix and the plain MGR in float64; MGR's inverting backward; HC's and mHC-lite's
+recomputed streams; memory; compilation.
 The equivalences of whole methods on every backend are in test_residuals.py.
 """
 import os
@@ -193,6 +194,73 @@ def test_mgr_inverting_backward_runs_twice_and_refuses_to_start_at_an_inner_step
                   fake_sublayers([torch.randn(1, 2, 16, generator=gen)] * 6, inputs), 'torch', 1)
     with pytest.raises(RuntimeError, match='mgr_fallback_p=-1'):
         inputs[4].sum().backward()  # the input of sublayer 4, made by the (inner) step of sublayer 3
+
+
+@pytest.mark.parametrize('residual,knobs', [('hc', {}), ('hc', {'hc_dynamic': False}), ('mhc_lite', {}),
+                                            ('mhc_lite', {'hc_streams': 3})])
+@pytest.mark.parametrize('n_layer', [1, 3, 5])  # segments of 1, 2 (+2+2) and 3 (+3+3+1) sublayers
+@pytest.mark.parametrize('precision', ['float64', 'bfloat16 autocast'])
+def test_recomputed_streams_equal_the_saved_ones(residual, knobs, n_layer, precision):
+    """HC and mHC-lite with the streams rebuilt in the backward (kernels=torch) against the classes'
+    own forward (autograd keeps every sublayer's streams): output and the gradients of e and of every
+    routing parameter, on random routing and random sublayers, in float64 and under CPU bfloat16
+    autocast (the replay must repeat the forward's roundings: the same ops at the same precision)."""
+    dtype = torch.float64 if precision == 'float64' else torch.float32
+    results = []
+    for backend in ('reference', 'torch'):
+        gen = torch.Generator().manual_seed(0)
+        router = routing(residual, n_layer, C=24, **knobs)
+        randomize_routing(router)
+        router.to(dtype)
+        weights = [torch.randn(24, 24, generator=gen, dtype=dtype) * 24 ** -0.5 for _ in range(2 * n_layer)]
+        e = torch.randn(2, 5, 24, generator=gen, dtype=dtype).requires_grad_()
+        with torch.autocast('cpu', dtype=torch.bfloat16, enabled=precision != 'float64'):
+            out = kernels.route(router, e, [lambda h, w=w: 3 * torch.tanh(h @ w) for w in weights], backend)
+        probe = torch.randn(out.shape, generator=gen, dtype=dtype)
+        results.append([out, *torch.autograd.grad((out * probe).sum(), [e, *router.parameters()])])
+    assert all(rel_rms(got, want) <= 1e-6 for got, want in zip(results[1], results[0]))
+
+
+def test_recomputed_streams_keep_about_a_sublayer_update_per_sublayer():
+    """Bytes saved for backward (6 layers, width 64, 4 streams): keeping every sublayer's streams
+    costs hc 2.6x and mhc_lite 2.3x prenorm's; rebuilt from segments, both stay under 1.3x, and the
+    excess over prenorm shrinks at least 4x (bench.py reports the full-size figures)."""
+    from bench import saved_bytes
+    idx = torch.randint(27, (2, 32), generator=torch.Generator().manual_seed(0))
+    saved = {}
+    for residual, backend in [('prenorm', 'torch'), ('hc', 'reference'), ('hc', 'torch'), ('mhc_lite', 'reference'),
+                              ('mhc_lite', 'torch')]:
+        model = tiny_model(residual, n_layer=6, n_embd=64)
+        model.set_kernels(backend)
+        saved[residual, backend] = saved_bytes(model, idx, idx)
+    for residual in ('hc', 'mhc_lite'):
+        kept, rebuilt = (saved[residual, b] - saved['prenorm', 'torch'] for b in ('reference', 'torch'))
+        assert kept > 4 * rebuilt > 0
+        assert saved[residual, 'torch'] < 1.3 * saved['prenorm', 'torch']
+
+
+def test_recomputed_streams_backpropagate_twice_and_from_an_inner_sublayer():
+    """Each backward rebuilds what it needs, so a retained graph backpropagates again to the same
+    gradients, and a backward from an inner sublayer's input works and matches the reference."""
+    model = tiny_model('mhc_lite', n_layer=3)
+    randomize_routing(model)
+    idx = torch.randint(27, (2, 8), generator=torch.Generator().manual_seed(0))
+    _, loss = model(idx, idx)
+    grads = []
+    for _ in range(2):
+        loss.backward(retain_graph=True)
+        grads.append([p.grad.clone() for p in model.parameters()])
+        model.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    inner = []
+    for backend in ('reference', 'torch'):
+        router, inputs = routing('hc', 3), []
+        randomize_routing(router)
+        gen = torch.Generator().manual_seed(0)
+        e = torch.randn(1, 2, 16, generator=gen).requires_grad_()
+        kernels.route(router, e, fake_sublayers([torch.randn(1, 2, 16, generator=gen)] * 6, inputs), backend)
+        inner.append(torch.autograd.grad(inputs[4].sum(), [e, *router.parameters()], allow_unused=True))
+    assert all((a is None and b is None) or torch.allclose(a, b, atol=1e-6) for a, b in zip(*inner))
 
 
 @needs_triton
