@@ -411,25 +411,31 @@ class StreamSegment:
 
     def __init__(self, module, start, streams):
         self.module, self.start, self.streams = module, start, streams.detach()
-        self.updates, self.rebuilt = [], {}
+        self.updates, self.replayed = [], {}
 
-    def at(self, i, autocast):
-        """The streams entering sublayer i: replayed once for the whole segment, then handed out."""
-        if i not in self.rebuilt:
+    def mix(self, i, autocast):
+        """Sublayer i's mixing, recomputed with autograd from its rebuilt input streams: (H_i as a
+        leaf, (h, H', post)). The first call replays the segment up to i once, with autograd, so
+        only one segment's graphs are alive at a time; each later call takes its own."""
+        if i not in self.replayed:
             H = self.streams
-            with torch.no_grad(), torch.autocast(**autocast):
-                for j in range(self.start, i + 1):
-                    self.rebuilt[j] = H
-                    if j < i:
-                        _, mixed, post = self.module.mix(j, H)
+            for j in range(self.start, i + 1):
+                leaf = H.detach().requires_grad_()
+                with torch.enable_grad(), torch.autocast(**autocast):  # the forward's precision
+                    outputs = self.module.mix(j, leaf.view_as(leaf))  # a view: autocast caches a leaf's
+                    # cast, which would sum the gradients of H's uses in bfloat16; the forward's H is no leaf
+                self.replayed[j] = leaf, outputs
+                if j < i:
+                    with torch.no_grad(), torch.autocast(**autocast):
+                        _, mixed, post = outputs
                         H = mixed + post.unsqueeze(-1) * self.updates[j - self.start].unsqueeze(-2)
-        return self.rebuilt.pop(i)
+        return self.replayed.pop(i)
 
 
 class StreamMix(torch.autograd.Function):
-    """module.mix(i, H) -> (h, H', post) that saves no streams: its backward rebuilds H from its
-    segment, recomputes the mixing with autograd and backpropagates through it (mHC's recomputation:
-    only each segment's input streams and the sublayers' updates stay alive for the backward)."""
+    """module.mix(i, H) -> (h, H', post) that saves no streams: its backward takes the mixing
+    replayed from its segment and backpropagates through it (mHC's recomputation: only each
+    segment's input streams and the sublayers' updates stay alive for the backward)."""
 
     @staticmethod
     def forward(ctx, H, segment, i, *params):
@@ -444,11 +450,8 @@ class StreamMix(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_h, grad_mixed, grad_post):
-        params = [p for p in ctx.segment.module.parameters()]
-        H = ctx.segment.at(ctx.i, ctx.autocast).detach().requires_grad_()
-        with torch.enable_grad(), torch.autocast(**ctx.autocast):  # the forward's precision
-            outputs = ctx.segment.module.mix(ctx.i, H.view_as(H))  # a view: autocast caches a leaf's cast,
-            # which would sum the gradients of H's uses in bfloat16; the forward's H is no leaf
+        H, outputs = ctx.segment.mix(ctx.i, ctx.autocast)
+        params = list(ctx.segment.module.parameters())
         grads = torch.autograd.grad(outputs, [H, *params], [grad_h, grad_mixed, grad_post], allow_unused=True)
         return grads[0], None, None, *grads[1:]
 
@@ -457,7 +460,7 @@ def streams(module, x, sublayers, backend, mgr_fallback_p):
     """HC and mHC-lite with the streams recomputed in the backward instead of saved: the sublayers
     are cut into segments of about sqrt(L); a segment keeps its input streams and the updates (which
     the update's product with post saves anyway), and the backward replays each segment's mixing
-    once. Eager only: compiled, the class's forward runs (the compiler plans its own memory)."""
+    once, with autograd. Eager only: compiled, the class's forward runs (the compiler plans its own memory)."""
     if torch.compiler.is_compiling():
         return module(x, sublayers)
     params = list(module.parameters())
