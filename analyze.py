@@ -250,7 +250,8 @@ def plot(results, folder):
         fig, axes = plt.subplots(1, len(gated), figsize=(5 * len(gated), 4), squeeze=False)
         for ax, r in zip(axes[0], gated):
             image = ax.imshow(torch.tensor(r['gates']).T.numpy(), aspect='auto', origin='lower', cmap='magma')
-            ax.set(title=f"{label(r)}: mean gate", xlabel='gated sublayer', ylabel='stream')
+            ax.set(title=f"{label(r)}: mean gate", xlabel='gated sublayer', ylabel='stream',
+                   yticks=range(len(r['gates'][0])))
             fig.colorbar(image, ax=ax)
         save(fig, 'gates.png')
     return written
