@@ -46,6 +46,9 @@ GRIDS = {
     # every registered method at one CPU config, three seeds (about 2 hours with --jobs=2 on 2 cores)
     'cpu_methods': dict(configs=[['config/cpu_methods.py']],
                         variants=[[f'--residual={r}'] for r in RESIDUALS], seeds=[0, 1, 2]),
+    # the same on one GPU, bfloat16 and compiled
+    'gpu_methods': dict(configs=[['config/gpu_methods.py']],
+                        variants=[[f'--residual={r}'] for r in RESIDUALS], seeds=[0, 1, 2]),
     # the WAV paper's character-level grid
     'char': dict(configs=[[f'config/{ds}_{n}l.py'] for ds in ('text8', 'tinystories') for n in (12, 24, 48)],
                  variants=[[f'--residual={r}'] for r in CHAR_METHODS], seeds=[0, 1, 2]),

@@ -1,0 +1,23 @@
+# The ten-method study of config/cpu_methods.py on one GPU (python sweep.py gpu_methods --jobs=N):
+# the same model, data, steps, learning rate and seeds, in bfloat16 autocast and with torch.compile,
+# so it checks that the CPU table holds under a GPU's precision and kernels (--kernels=auto: Triton).
+# Many small runs share one GPU well: --jobs=10 or more on a machine with as many CPU cores.
+#   python data.py text8 --source=../shared/data/text8_head.txt
+#   python train.py config/gpu_methods.py --residual=wav
+dataset = 'text8'
+out_dir = 'out-gpu-methods'
+n_layer = 6
+n_head = 4
+n_embd = 96
+block_size = 128
+batch_size = 16
+max_iters = 1600
+warmup_iters = 50
+learning_rate = 6e-3
+min_lr = 6e-4
+eval_interval = 200
+eval_tokens = 32768  # the first 32k characters of the val split, the same for every run
+log_interval = 50
+device = 'cuda'
+dtype = 'bfloat16'
+compile = True
