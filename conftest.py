@@ -65,7 +65,7 @@ def randomize_routing(model, seed=1):
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in getattr(model, 'residual', model).parameters():
-            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.5)
+            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype).to(p.device) * 0.5)  # a model on any device
 
 
 def routing(residual, n_layer, C=16, **knobs):

@@ -229,18 +229,23 @@ def _address_table(tensors):
 
 def triton_depth_mix(queries, bias, sources):
     """DepthMix in Triton: queries (m, C), bias (m, S) or None, a list of S sources
-    (B, T, C) -> mixed (m, B, T, C), lse (m, B, T) float32. The kernel reads every source through
-    one pointer type, so sources of mixed dtypes (under autocast: e float32, updates bfloat16) are
-    promoted first, as torch.stack does; mixed has that dtype. A missing bias is passed as zeros."""
-    dtype = functools.reduce(torch.promote_types, [v.dtype for v in sources])
+    (B, T, C) -> mixed (m, B, T, C), lse (m, B, T) float32. A missing bias is passed as zeros."""
     if bias is None:
         bias = queries.new_zeros((queries.shape[0], len(sources)), dtype=torch.float32)
-    return _triton_depth_mix(queries, bias, [v.to(dtype) for v in sources])
+    return _triton_depth_mix(queries, bias, list(sources))
+
+
+def promoted(sources):
+    """The kernels read every source through one pointer type, so sources of mixed dtypes (under
+    autocast: e float32, updates bfloat16) are promoted, as torch.stack does: temporary copies
+    inside each op, so that autograd keeps the sources themselves, not their copies."""
+    dtype = functools.reduce(torch.promote_types, [v.dtype for v in sources])
+    return dtype, [v.to(dtype).contiguous() for v in sources]
 
 
 @torch.library.custom_op('resroute::depth_mix', mutates_args=())
 def _triton_depth_mix(queries: Tensor, bias: Tensor, sources: List[Tensor]) -> Tuple[Tensor, Tensor]:
-    sources = [v.contiguous() for v in sources]
+    _, sources = promoted(sources)
     (m, C), S, N = queries.shape, len(sources), sources[0].numel() // queries.shape[1]
     mixed = sources[0].new_empty((m,) + sources[0].shape)
     lse = torch.empty((m,) + sources[0].shape[:-1], device=queries.device, dtype=torch.float32)
@@ -252,13 +257,15 @@ def _triton_depth_mix(queries: Tensor, bias: Tensor, sources: List[Tensor]) -> T
 @_triton_depth_mix.register_fake
 def _(queries, bias, sources):
     m, shape = queries.shape[0], sources[0].shape
-    return sources[0].new_empty((m,) + shape), queries.new_empty((m,) + shape[:-1], dtype=torch.float32)
+    dtype = functools.reduce(torch.promote_types, [v.dtype for v in sources])
+    return sources[0].new_empty((m,) + shape, dtype=dtype), queries.new_empty((m,) + shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op('resroute::depth_mix_backward', mutates_args=())
 def _triton_depth_mix_backward(queries: Tensor, bias: Tensor, sources: List[Tensor], mixed: Tensor, lse: Tensor,
                                grad_mixed: Tensor, grad_lse: Tensor) -> Tuple[Tensor, Tensor, List[Tensor]]:
-    sources = [v.contiguous() for v in sources]
+    dtypes = [v.dtype for v in sources]
+    _, sources = promoted(sources)
     (m, C), S, N = queries.shape, len(sources), mixed[0].numel() // queries.shape[1]
     grads = [torch.empty_like(v) for v in sources]
     programs = reduction_programs(N)
@@ -268,7 +275,7 @@ def _triton_depth_mix_backward(queries: Tensor, bias: Tensor, sources: List[Tens
                                 bias.float().contiguous(), mixed, lse, grad_mixed.contiguous(),
                                 grad_lse.float().contiguous(), dq, db, S, m, N, C, RMS_EPS,
                                 BM=next_pow2(m), BC=next_pow2(C), BS=next_pow2(S))
-    return dq.sum(0).to(queries.dtype), db.sum(0).to(bias.dtype), grads
+    return dq.sum(0).to(queries.dtype), db.sum(0).to(bias.dtype), [g.to(t) for g, t in zip(grads, dtypes)]
 
 
 @_triton_depth_mix_backward.register_fake
