@@ -119,6 +119,32 @@ def test_triton_reads_keep_the_sources_not_their_promoted_copies():
                 saved[backend] = saved_bytes(model, idx, idx)
         assert saved['triton'] <= saved['torch'], (residual, saved)
 
+def two_backwards(residual):
+    """The parameters' gradients of two backwards through one retained graph (3 layers, random routing)."""
+    model = tiny_model(residual, n_layer=3)
+    randomize_routing(model)
+    idx = torch.randint(27, (2, 8), generator=torch.Generator().manual_seed(0))
+    _, loss = model(idx, idx)
+    grads = []
+    for _ in range(2):
+        loss.backward(retain_graph=True)
+        grads.append([p.grad.clone() for p in model.parameters()])
+        model.zero_grad()
+    return grads
+
+
+def assert_compiled_matches_eager(model, idx, backend):
+    """torch.compile(fullgraph=True) traces the model (a graph break fails) and gives eager's loss and gradients."""
+    results = []
+    for run in (model, torch.compile(model, fullgraph=True, backend=backend)):
+        _, loss = run(idx, idx)
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+        model.zero_grad()
+    assert torch.allclose(results[0][0], results[1][0], atol=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(results[0][1], results[1][1]))
+
+
 def mgr_run(n, C, T, gate, backend, fallback_p, dtype, seed=0):
     """An MGR residual over 2n+2 random tanh sublayers with randomised routing: output and the
     gradients of e and of every routing parameter."""
@@ -194,16 +220,7 @@ def test_mgr_inverting_backward_runs_twice_and_refuses_to_start_at_an_inner_step
     """Every backward through the model starts at the last step, which keeps its output, so a
     retained graph backpropagates again to the same gradients; a backward from an inner step's
     output has nothing to rebuild from and says so."""
-    model = tiny_model('mgr', n_layer=3)
-    randomize_routing(model)
-    idx = torch.randint(27, (2, 8))
-    _, loss = model(idx, idx)
-    grads = []
-    for _ in range(2):
-        loss.backward(retain_graph=True)
-        grads.append([p.grad.clone() for p in model.parameters()])
-        model.zero_grad()
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert all(torch.equal(a, b) for a, b in zip(*two_backwards('mgr')))
     router, inputs = routing('mgr', 3, mgr_streams=4), []
     randomize_routing(router)
     gen = torch.Generator().manual_seed(0)
@@ -259,16 +276,7 @@ def test_recomputed_streams_keep_about_a_sublayer_update_per_sublayer():
 def test_recomputed_streams_backpropagate_twice_and_from_an_inner_sublayer():
     """Each backward rebuilds what it needs, so a retained graph backpropagates again to the same
     gradients, and a backward from an inner sublayer's input works and matches the reference."""
-    model = tiny_model('mhc_lite', n_layer=3)
-    randomize_routing(model)
-    idx = torch.randint(27, (2, 8), generator=torch.Generator().manual_seed(0))
-    _, loss = model(idx, idx)
-    grads = []
-    for _ in range(2):
-        loss.backward(retain_graph=True)
-        grads.append([p.grad.clone() for p in model.parameters()])
-        model.zero_grad()
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert all(torch.equal(a, b) for a, b in zip(*two_backwards('mhc_lite')))
     inner = []
     for backend in ('reference', 'torch'):
         router, inputs = routing('hc', 3), []
@@ -317,14 +325,7 @@ def test_kernels_compile_without_graph_breaks(residual):
     randomize_routing(model)
     model.to(KERNEL_DEVICE).set_kernels('triton')
     idx = torch.randint(27, (2, 7), generator=torch.Generator().manual_seed(0)).to(KERNEL_DEVICE)
-    grads = []
-    for run in (model, torch.compile(model, fullgraph=True, backend='aot_eager')):
-        _, loss = run(idx, idx)
-        loss.backward()
-        grads.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
-        model.zero_grad()
-    assert torch.allclose(grads[0][0], grads[1][0], atol=1e-6)
-    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads[0][1], grads[1][1]))
+    assert_compiled_matches_eager(model, idx, 'aot_eager')
 
 
 @needs_triton
@@ -372,11 +373,4 @@ def test_every_method_compiles_as_one_graph(residual):
     model = tiny_model(residual, n_layer=2, n_embd=24, block_size=8)
     randomize_routing(model)
     idx = torch.randint(27, (2, 7), generator=torch.Generator().manual_seed(0))
-    results = []
-    for run in (model, torch.compile(model, fullgraph=True, backend='eager')):
-        _, loss = run(idx, idx)
-        loss.backward()
-        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
-        model.zero_grad()
-    assert torch.allclose(results[0][0], results[1][0], atol=1e-6)
-    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(results[0][1], results[1][1]))
+    assert_compiled_matches_eager(model, idx, 'eager')
