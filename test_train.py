@@ -267,13 +267,19 @@ def test_ctrl_c_says_where_the_last_checkpoint_is_and_how_to_resume(tmp_path, da
     out = tmp_path / 'run'
     args = ['--dataset=pydoc', f'--data_dir={data_dir}', '--max_iters=100000', '--eval_interval=5', '--log_interval=1',
             f'--out_dir={out}', *TINY_TRAIN]
+    # a shell's background job (CI launched with `&`, nohup) ignores SIGINT, and its children inherit that:
+    # give the run the default, as in a terminal, so that the signal arrives
     proc = subprocess.Popen([sys.executable, str(ROOT / 'train.py'), *args], cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     while proc.poll() is None and max(read_train_losses(out / 'log.jsonl') if (out / 'log.jsonl').exists()
                                       else {}, default=0) < 7:
         time.sleep(0.01)
     proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate()
+    try:
+        _, stderr = proc.communicate(timeout=600)  # it stops within a step; minutes only on a crawling machine
+    finally:
+        proc.kill()
     assert proc.returncode == 130 and 'Traceback' not in stderr, stderr
     saved = load_checkpoint(str(out / 'ckpt.pt'))['iter_num']
     line = stderr.strip().splitlines()[-1]
