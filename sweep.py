@@ -260,7 +260,7 @@ def plot(results, rows, path):
                              squeeze=False)
     axes = axes[0]
     ax = axes[0]
-    for group in groups[-1:]:  # the curves of the last config (the deepest in a depth grid)
+    for group in groups[:1]:  # the curves of the first config (the deepest in cpu_depth)
         for method in methods:
             curves = [r['curve'] for r in results if (r['group'], r['method']) == (group, method)]
             if not curves:
