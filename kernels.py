@@ -235,17 +235,21 @@ def triton_depth_mix(queries, bias, sources):
     return _triton_depth_mix(queries, bias, list(sources))
 
 
+def common_dtype(sources):
+    return functools.reduce(torch.promote_types, [v.dtype for v in sources])
+
+
 def promoted(sources):
     """The kernels read every source through one pointer type, so sources of mixed dtypes (under
     autocast: e float32, updates bfloat16) are promoted, as torch.stack does: temporary copies
     inside each op, so that autograd keeps the sources themselves, not their copies."""
-    dtype = functools.reduce(torch.promote_types, [v.dtype for v in sources])
-    return dtype, [v.to(dtype).contiguous() for v in sources]
+    dtype = common_dtype(sources)
+    return [v.to(dtype).contiguous() for v in sources]
 
 
 @torch.library.custom_op('resroute::depth_mix', mutates_args=())
 def _triton_depth_mix(queries: Tensor, bias: Tensor, sources: List[Tensor]) -> Tuple[Tensor, Tensor]:
-    _, sources = promoted(sources)
+    sources = promoted(sources)
     (m, C), S, N = queries.shape, len(sources), sources[0].numel() // queries.shape[1]
     mixed = sources[0].new_empty((m,) + sources[0].shape)
     lse = torch.empty((m,) + sources[0].shape[:-1], device=queries.device, dtype=torch.float32)
@@ -257,15 +261,15 @@ def _triton_depth_mix(queries: Tensor, bias: Tensor, sources: List[Tensor]) -> T
 @_triton_depth_mix.register_fake
 def _(queries, bias, sources):
     m, shape = queries.shape[0], sources[0].shape
-    dtype = functools.reduce(torch.promote_types, [v.dtype for v in sources])
-    return sources[0].new_empty((m,) + shape, dtype=dtype), queries.new_empty((m,) + shape[:-1], dtype=torch.float32)
+    return (sources[0].new_empty((m,) + shape, dtype=common_dtype(sources)),
+            queries.new_empty((m,) + shape[:-1], dtype=torch.float32))
 
 
 @torch.library.custom_op('resroute::depth_mix_backward', mutates_args=())
 def _triton_depth_mix_backward(queries: Tensor, bias: Tensor, sources: List[Tensor], mixed: Tensor, lse: Tensor,
                                grad_mixed: Tensor, grad_lse: Tensor) -> Tuple[Tensor, Tensor, List[Tensor]]:
     dtypes = [v.dtype for v in sources]
-    _, sources = promoted(sources)
+    sources = promoted(sources)
     (m, C), S, N = queries.shape, len(sources), mixed[0].numel() // queries.shape[1]
     grads = [torch.empty_like(v) for v in sources]
     programs = reduction_programs(N)
@@ -472,7 +476,7 @@ def streams(module, x, sublayers, backend, mgr_fallback_p):
         return module(x, sublayers)
     params = list(module.parameters())
     length = max(1, round(math.sqrt(len(sublayers))))
-    H = x.unsqueeze(-2).expand(*x.shape[:-1], module.n, x.shape[-1])  # e copied into n streams
+    H = x.unsqueeze(-2).expand(*x.shape[:-1], module.n, x.shape[-1])  # e copied into n streams, as residuals.copies
     for i, f in enumerate(sublayers):
         if i % length == 0:
             segment = StreamSegment(module, i, H)

@@ -255,6 +255,11 @@ class WAV(BlockAttnRes):
 
 # ----------------------------------------------------------------------------- multi-stream
 
+def copies(x, n):
+    """The embedding x (B, T, C) copied into n streams (B, T, n, C), a view."""
+    return x.unsqueeze(-2).expand(*x.shape[:-1], n, x.shape[-1])
+
+
 class HCConnections(nn.Module):
     """The connections of every HC sublayer i: width [A_m | A_r] (n, n+1) and depth B (n,), static, plus
     (dynamic) s_a tanh(Hn W_a) and s_b tanh(Hn W_b) of the RMS-normalised streams Hn, per token."""
@@ -307,7 +312,7 @@ class HyperConnections(nn.Module):
         return H.mean(dim=-2)
 
     def forward(self, x, sublayers):
-        H = x.unsqueeze(-2).expand(*x.shape[:-1], self.n, x.shape[-1])  # e copied into n streams
+        H = copies(x, self.n)
         for i, f in enumerate(sublayers):
             h, H, depth = self.mix(i, H)
             H = H + depth.unsqueeze(-1) * f(h).unsqueeze(-2)  # H <- H' + B^T f(h)
@@ -368,7 +373,7 @@ class MHCLite(nn.Module):
         return x.sum(dim=-2)
 
     def forward(self, x, sublayers):
-        x = x.unsqueeze(-2).expand(*x.shape[:-1], self.n, x.shape[-1])  # e copied into n streams
+        x = copies(x, self.n)
         for i, f in enumerate(sublayers):
             h, mixed, h_post = self.mix(i, x)
             x = mixed + h_post.unsqueeze(-1) * f(h).unsqueeze(-2)  # x <- H_res x + H_post^T f(H_pre x)
