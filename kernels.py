@@ -25,8 +25,10 @@ sqrt(L) sublayers for Full and Delta AttnRes) read the finished sources in one p
 then merges the sources of its own block by an online softmax (the log-sum-exp of the first pass).
 
 HC and mHC-lite keep n copies of the stream; plain autograd saves them at every sublayer (2.1-2.7x
-prenorm's activation memory). The twin keeps only each segment's input streams and the sublayers'
-updates and replays the mixing in the backward, as the mHC paper recomputes its kernels (1.2x).
+prenorm's activation memory). The twin keeps only each segment's input streams, the sublayers'
+updates and connections (a few numbers per token), rebuilds the streams in the backward as the mHC
+paper recomputes its kernels (1.2x), and writes the mixing's and the RMS projection's gradients by
+hand: one batched product per token for the mixing, none of autograd's per-op copies.
 
 MGR step: the gates, the streams' convex update and the next sublayer's AttnPool in one pass over
 the streams. Its backward can rebuild the input streams from the output streams by inverting the
@@ -78,6 +80,10 @@ def route(residual, x, sublayers, backend='torch', mgr_fallback_p=1):
 def upcast(x):
     """float32 for half-precision tensors, others as they are (as residuals.upcast)."""
     return x.float() if x.element_size() < 4 else x
+
+
+def upcast_dtype(x):
+    return torch.float32 if x.element_size() < 4 else x.dtype
 
 
 def next_pow2(x):
@@ -415,76 +421,142 @@ def wav(module, x, sublayers, backend, mgr_fallback_p):
 
 # ----------------------------------------------------------------------------- HC and mHC-lite: recomputed streams
 
+def stream_mixing(A, H):
+    """A^T H per token: row 0 the sublayer's input h, rows 1..n the mixed streams H' (..., n+1, C)."""
+    return torch.einsum('...kj,...kc->...jc', A, H)
+
+
+def advance(mixed, post, update):
+    """The next streams H' + post^T f(h)."""
+    return torch.addcmul(mixed, post.unsqueeze(-1), update.unsqueeze(-2))
+
+
+def rms_projection(X, W):
+    """rms_norm(X) @ W computed as r (X W), r = 1 / sqrt(mean(X^2) + eps) per row: no normalised copy
+    of X. Returns (r, X W r)."""
+    r = torch.rsqrt(torch.linalg.vector_norm(X, dim=-1, keepdim=True, dtype=upcast_dtype(X)).square() / X.shape[-1]
+                    + RMS_EPS)
+    return r, F.linear(X, W.t().contiguous()) * r
+
+
 class StreamSegment:
     """A run of consecutive sublayers of a multi-stream method (HC, mHC-lite): the streams entering
-    it and each sublayer's update f(h). Every stream state inside it can be rebuilt from these by
-    replaying the mixing: H_{j+1} = H'_j + post_j f_j with (h_j, H'_j, post_j) = module.mix(j, H_j)."""
+    it, each sublayer's connections (A, post; a few numbers per token) and update f(h). Every stream
+    state inside it is rebuilt from these by the forward's own ops: H_{j+1} = A_j^T H_j (rows 1..n)
+    + post_j f_j."""
 
-    def __init__(self, module, start, streams):
-        self.module, self.start, self.streams = module, start, streams.detach()
-        self.updates, self.replayed = [], {}
+    def __init__(self, start, streams):
+        self.start, self.streams = start, streams.detach()
+        self.connections, self.updates, self.rebuilt = [], [], {}
 
-    def mix(self, i, autocast):
-        """Sublayer i's mixing, recomputed with autograd from its rebuilt input streams: (H_i as a
-        leaf, (h, H', post)). The first call replays the segment up to i once, with autograd, so
-        only one segment's graphs are alive at a time; each later call takes its own."""
-        if i not in self.replayed:
-            H = self.streams
-            for j in range(self.start, i + 1):
-                leaf = H.detach().requires_grad_()
-                with torch.enable_grad(), torch.autocast(**autocast):  # the forward's precision
-                    outputs = self.module.mix(j, leaf.view_as(leaf))  # a view: autocast caches a leaf's
-                    # cast, which would sum the gradients of H's uses in bfloat16; the forward's H is no leaf
-                self.replayed[j] = leaf, outputs
-                if j < i:
-                    with torch.no_grad(), torch.autocast(**autocast):
-                        _, mixed, post = outputs
-                        H = mixed + post.unsqueeze(-1) * self.updates[j - self.start].unsqueeze(-2)
-        return self.replayed.pop(i)
+    def streams_at(self, i, autocast):
+        """The streams entering sublayer i. The first call rebuilds the segment up to i once; each
+        later call (the backward goes down the sublayers) takes its own."""
+        if i not in self.rebuilt:
+            H = self.streams.contiguous()
+            with torch.no_grad(), torch.autocast(**autocast):  # the forward's precision
+                for j in range(self.start, i + 1):
+                    self.rebuilt[j] = H
+                    if j < i:
+                        (A, post), update = self.connections[j - self.start], self.updates[j - self.start]
+                        H = advance(stream_mixing(A, H)[..., 1:, :], post, update)
+        return self.rebuilt.pop(i)
+
+
+def projected_rows(H, W):
+    """The rows that HC normalises and projects (each stream: W has C rows) or mHC-lite (each token's
+    n streams flattened: n C rows)."""
+    return H if W.shape[0] == H.shape[-1] else H.flatten(-2)
 
 
 class StreamMix(torch.autograd.Function):
-    """module.mix(i, H) -> (h, H', post) that saves no streams: its backward takes the mixing
-    replayed from its segment and backpropagates through it (mHC's recomputation: only each
-    segment's input streams and the sublayers' updates stay alive for the backward)."""
+    """(h, H', post) of sublayer i, saving no streams. Forward: P = rms_norm(X) W of the streams,
+    the connections (A, post) = connect(i, P) (a few numbers per token) and A^T H. Backward: the
+    streams rebuilt by the segment, the mixing's and the projection's gradients by hand, the
+    connections' by autograd through connect, recomputed (P too: it is n + 2 or 2n + n! numbers per
+    token, more than the connections themselves)."""
 
     @staticmethod
-    def forward(ctx, H, segment, i, *params):
-        if i == segment.start:  # the segment keeps its input streams; saved here too, so that autograd
-            ctx.save_for_backward(H)  # checks them for in-place changes and memory accounting sees them
-        ctx.segment, ctx.i = segment, i
+    def forward(ctx, H, W, segment, connect, *params):
+        i = segment.start + len(segment.connections)
+        dense = H.contiguous()  # e's n copies are a stride-0 view, kept as such; products with it are slow
+        A, post = connect(i, None if W is None else rms_projection(projected_rows(dense, W), W)[1])
+        segment.connections.append((A, post))
+        # the segment keeps its input streams and the connections; saved here too, so that autograd
+        # checks them for in-place changes and memory accounting sees them
+        ctx.save_for_backward(H if i == segment.start else None, W, A, post, *params)
         device = H.device.type
         ctx.autocast = dict(device_type=device, dtype=torch.get_autocast_dtype(device),
                             enabled=torch.is_autocast_enabled(device))
-        h, mixed, post = segment.module.mix(i, H)
-        return h.contiguous(), mixed, post  # h alone: HC's h is a row of one tensor with H', which f would keep
+        ctx.segment, ctx.i, ctx.connect = segment, i, connect
+        mixed = stream_mixing(A, dense)
+        return mixed[..., 0, :].clone(), mixed[..., 1:, :], post  # a copy of h: f would keep all n+1 rows
 
     @staticmethod
     def backward(ctx, grad_h, grad_mixed, grad_post):
-        H, outputs = ctx.segment.mix(ctx.i, ctx.autocast)
-        params = list(ctx.segment.module.parameters())
-        grads = torch.autograd.grad(outputs, [H, *params], [grad_h, grad_mixed, grad_post], allow_unused=True)
-        return grads[0], None, None, *grads[1:]
+        _, W, A, post, *params = ctx.saved_tensors
+        H = ctx.segment.streams_at(ctx.i, ctx.autocast)
+        P = None
+        if W is not None:
+            with torch.autocast(**ctx.autocast):
+                r, P = rms_projection(projected_rows(H, W), W)
+        with torch.autocast(**ctx.autocast):  # mixed = A^T H: row 0 is h, rows 1..n are H'; the products
+            grad_A = torch.einsum('...kc,...jc->...kj', H, grad_mixed)  # at the forward's precision,
+            grad_H = torch.einsum('...kj,...jc->...kc', A[..., 1:], grad_mixed)  # the sums in H's
+        grad_A = torch.cat([(H * grad_h.unsqueeze(-2)).sum(-1, keepdim=True), grad_A], -1).sum_to_size(A.shape)
+        grad_H = grad_H.to(H.dtype).addcmul_(A[..., :1], grad_h.unsqueeze(-2))
+        leaves = [p for p in params if p.requires_grad]
+        with torch.enable_grad(), torch.autocast(**ctx.autocast):
+            if P is not None:
+                P = P.detach().requires_grad_()
+                leaves.insert(0, P)
+            outputs = ctx.connect(ctx.i, P)
+        grads = torch.autograd.grad(outputs, leaves, [grad_A.to(A.dtype), grad_post.to(post.dtype)], allow_unused=True)
+        grad_W = None
+        if P is not None:  # P = r (X W), r = (mean(X^2) + eps)^-1/2 per row of X
+            (grad_P, *grads), P = grads, P.detach()
+            X = projected_rows(H, W)
+            G = r * grad_P  # X gets G W^T - (r^2 / D) (grad_P . P) X, W gets X^T G
+            grad_X = grad_H.view(X.shape)  # added into grad_H in place
+            grad_X.view(-1, X.shape[-1]).addmm_(G.flatten(0, -2).to(grad_X.dtype), W.t().to(grad_X.dtype))
+            grad_X.addcmul_((grad_P * P).sum(-1, keepdim=True) * r.square(), X, value=-1.0 / X.shape[-1])
+            grad_W = (G.flatten(0, -2).t() @ X.flatten(0, -2).to(G.dtype)).t()
+        grads = iter(grads)
+        return grad_H, grad_W, None, None, *[next(grads) if p.requires_grad else None for p in params]
 
 
-def streams(module, x, sublayers, backend, mgr_fallback_p):
-    """HC and mHC-lite with the streams recomputed in the backward instead of saved: the sublayers
-    are cut into segments of about sqrt(L); a segment keeps its input streams and the updates (which
-    the update's product with post saves anyway), and the backward replays each segment's mixing
-    once, with autograd. Eager only: compiled, the class's forward runs (the compiler plans its own memory)."""
+def streams(coefficients, module, x, sublayers, backend, mgr_fallback_p):
+    """HC and mHC-lite with the streams rebuilt in the backward instead of saved: the sublayers are
+    cut into segments of about sqrt(L); a segment keeps its input streams, the connections and the
+    updates (which the update's product with post saves anyway), and the backward rebuilds each
+    segment's streams once. `coefficients` names the class's module of connections, whose
+    `connect(i, P)` gives the connections from the projection P = rms_norm(X) @ proj[i]: HC's
+    A = [A_m | A_r] (n, n+1) and post = B as they are, mHC-lite's through mhc_connect.
+    Eager only: compiled, the class's forward runs (the compiler plans its own memory)."""
     if torch.compiler.is_compiling():
         return module(x, sublayers)
-    params = list(module.parameters())
+    connections = getattr(module, coefficients)
+    connect = connections.connect if coefficients == 'connections' else functools.partial(mhc_connect, connections)
+    params = list(connections.parameters())
     length = max(1, round(math.sqrt(len(sublayers))))
     H = x.unsqueeze(-2).expand(*x.shape[:-1], module.n, x.shape[-1])  # e copied into n streams, as residuals.copies
+    # every sublayer's projection W_i at once: one backward node gathers their gradients (proj[i]
+    # would give each sublayer a full-size zero gradient with one row set)
+    projections = connections.proj.unbind() if hasattr(connections, 'proj') else [None] * len(sublayers)
     for i, f in enumerate(sublayers):
         if i % length == 0:
-            segment = StreamSegment(module, i, H)
-        h, mixed, post = StreamMix.apply(H, segment, i, *params)
+            segment = StreamSegment(i, H)
+        h, mixed, post = StreamMix.apply(H, projections[i], segment, connect, *params)
         update = f(h)
         segment.updates.append(update.detach())
-        H = mixed + post.unsqueeze(-1) * update.unsqueeze(-2)
+        H = advance(mixed, post, update)
     return module.readout(H)
+
+
+def mhc_connect(coefficients, i, projected):
+    """mHC-lite: A = [H_pre | H_res^T] (n, n+1), post = H_post."""
+    h_pre, h_post, h_res = coefficients.connect(i, projected)
+    return torch.cat([h_pre.unsqueeze(-1), h_res.transpose(-1, -2)], -1), h_post
 
 
 # ----------------------------------------------------------------------------- MGR step
@@ -782,4 +854,5 @@ def mgr(module, x, sublayers, backend, mgr_fallback_p):
 
 # the fast twins, by the name of the class in residuals.py whose maths each computes
 FAST = {'AttnRes': attnres, 'BlockAttnRes': block_attnres, 'DeltaAttnRes': delta_attnres, 'WAV': wav,
-        'HyperConnections': streams, 'MHCLite': streams, 'MultiGateResiduals': mgr}
+        'HyperConnections': functools.partial(streams, 'connections'),
+        'MHCLite': functools.partial(streams, 'coefficients'), 'MultiGateResiduals': mgr}

@@ -274,19 +274,21 @@ class HCConnections(nn.Module):
         self.depth = nn.Parameter(torch.ones(L, n))  # B = 1
         self.dynamic = config.hc_dynamic
         if self.dynamic:
-            self.width_proj = nn.Parameter(torch.zeros(L, C, n + 1))  # W_a
-            self.depth_proj = nn.Parameter(torch.zeros(L, C))  # W_b
+            self.proj = nn.Parameter(torch.zeros(L, C, n + 2))  # [W_a | W_b]
             self.width_scale = nn.Parameter(torch.full((L,), 0.01))  # s_a
             self.depth_scale = nn.Parameter(torch.full((L,), 0.01))  # s_b
 
     def forward(self, i, H):
         """[A_m | A_r] (n, n+1) and B (n,) of sublayer i, per token (B, T, n, n+1) and (B, T, n) when
         dynamic, for the streams H (B, T, n, C)."""
+        return self.connect(i, rms_norm(H) @ self.proj[i] if self.dynamic else None)
+
+    def connect(self, i, projected):
+        """The connections from Hn [W_a | W_b] (B, T, n, n+2), or the static ones for None."""
         width, depth = self.width[i], self.depth[i]
-        if self.dynamic:
-            Hn = rms_norm(H)
-            width = width + self.width_scale[i] * torch.tanh(Hn @ self.width_proj[i])
-            depth = depth + self.depth_scale[i] * torch.tanh(Hn @ self.depth_proj[i])
+        if projected is not None:
+            width = width + self.width_scale[i] * torch.tanh(projected[..., :-1])
+            depth = depth + self.depth_scale[i] * torch.tanh(projected[..., -1])
         return width, depth
 
 
@@ -343,8 +345,11 @@ class MHCCoefficients(nn.Module):
 
     def forward(self, i, x):
         """H_pre (B, T, n), H_post (B, T, n), H_res (B, T, n, n) of sublayer i for streams x (B, T, n, C)."""
+        return self.connect(i, rms_norm(x.flatten(-2)) @ self.proj[i])
+
+    def connect(self, i, flat):
+        """The coefficients from x' [W_pre | W_post | W_res] (B, T, 2n + n!)."""
         n = self.n
-        flat = rms_norm(x.flatten(-2)) @ self.proj[i]
         a_pre, a_post, a_res = self.alpha[i]
         b = self.bias[i]
         h_pre = torch.sigmoid(a_pre * flat[..., :n] + b[:n])
