@@ -570,7 +570,7 @@ def _gates(z, bias, competitive):
 
 def _rms_dot(x, query):
     """r = 1/RMS(x) and the score r x.query, per stream and token: x (n, N, C) -> (n, N), (n, N)."""
-    r = torch.rsqrt(x.pow(2).mean(-1) + RMS_EPS)
+    r = torch.rsqrt(torch.linalg.vector_norm(x, dim=-1).square() / x.shape[-1] + RMS_EPS)
     return r, r * (x @ query)
 
 
@@ -581,7 +581,7 @@ def mgr_step_torch(streams, u, gate_query, gate_bias, pool_query, competitive, k
     largest gates per token (indices (keep, N), streams (keep, N, C)) for the inversion."""
     s, u32 = streams.float(), u.float()
     beta = _gates(_rms_dot(s, gate_query.float())[1], gate_bias.float(), competitive)
-    new = s + beta.unsqueeze(-1) * (u32 - s)
+    new = torch.lerp(s, u32, beta.unsqueeze(-1))  # s + beta (u - s)
     alpha = torch.softmax(_rms_dot(new, pool_query.float())[1], dim=0)
     h = (alpha.unsqueeze(-1) * new).sum(0)  # (einsum would run one tiny matmul per token on CPU)
     index = beta.topk(keep, dim=0).indices
@@ -598,23 +598,24 @@ def mgr_step_backward_torch(x, u, gate_query, gate_bias, pool_query, beta, alpha
     x, u32, b = x.float(), u.float(), beta.unsqueeze(-1)
     if invert:
         new = x
-        s = (x - b * u32) / (1 - b)
+        s = torch.addcmul(x, b, u32, value=-1).div_(1 - b)
         s.scatter_(0, index.unsqueeze(-1).expand(-1, -1, x.shape[-1]), kept.float())
     else:
         s = x
-        new = s + b * (u32 - s)
-    C = x.shape[-1]
-    # AttnPool: h = sum_j alpha_j s'_j, alpha = softmax(r'_j s'_j.w)
+        new = torch.lerp(s, u32, b)
+    C, grad_h = x.shape[-1], grad_h.float()
+    # AttnPool: h = sum_j alpha_j s'_j, alpha = softmax(r'_j s'_j.w); in place where a pass is saved
     r2, y = _rms_dot(new, pool_query.float())
-    g_alpha = (new * grad_h.float()).sum(-1)
+    g_alpha = (new * grad_h).sum(-1)
     dy = alpha * (g_alpha - (alpha * g_alpha).sum(0))
-    d_new = (grad_new.float() + alpha.unsqueeze(-1) * grad_h.float()
-             + (dy * r2).unsqueeze(-1) * pool_query.float() - (dy * r2 * r2 * y / C).unsqueeze(-1) * new)
-    grad_pool = torch.einsum('nt,ntc->c', dy * r2, new)
+    d_new = torch.addcmul(grad_new.float(), alpha.unsqueeze(-1), grad_h)
+    d_new.addcmul_((dy * r2).unsqueeze(-1), pool_query.float()).addcmul_((dy * r2 * r2 * y / C).unsqueeze(-1), new,
+                                                                           value=-1)
+    grad_pool = (dy * r2).flatten() @ new.flatten(0, 1)
     # lerp: s' = s + beta (u - s)
     grad_u = (b * d_new).sum(0)
     d_beta = (d_new * (u32 - s)).sum(-1)
-    d_s = (1 - b) * d_new
+    d_s = d_new.mul_(1 - b)
     # gates
     if competitive:
         weighted = (beta * d_beta).sum(0)
@@ -624,8 +625,8 @@ def mgr_step_backward_torch(x, u, gate_query, gate_bias, pool_query, beta, alpha
         dz = d_beta * beta * (1 - beta)
         grad_bias = dz.sum()
     r, z = _rms_dot(s, gate_query.float())
-    d_s = d_s + (dz * r).unsqueeze(-1) * gate_query.float() - (dz * r * r * z / C).unsqueeze(-1) * s
-    grad_gate = torch.einsum('nt,ntc->c', dz * r, s)
+    d_s.addcmul_((dz * r).unsqueeze(-1), gate_query.float()).addcmul_((dz * r * r * z / C).unsqueeze(-1), s, value=-1)
+    grad_gate = (dz * r).flatten() @ s.flatten(0, 1)
     return (d_s.to(x.dtype), grad_u.to(u.dtype), grad_gate, grad_bias.reshape(1), grad_pool, s)
 
 
