@@ -4,6 +4,7 @@ Cost of every residual method against prenorm, measured in one process.
     python bench.py                                  # default config, every registered method
     python bench.py --config=deep --methods=prenorm,block_attnres,wav --steps=5
     python bench.py --compile=True --json_path=bench.json
+    python bench.py --config=deep --compile=True --compile_scope=sublayers   # regional: seconds to compile
     python bench.py --methods=mgr --mgr_fallback_p=-1   # MGR without the inverting backward
     python bench.py --config=gpt2 --kernels=triton      # on a GPU: GPT-2 small's shape, bf16
 
@@ -41,6 +42,7 @@ warmup = 1  # untimed steps per method first (compilation happens here: raise it
 device = 'auto'
 dtype = 'auto'
 compile = False
+compile_scope = 'model'  # model: one graph, the routing included; sublayers: each attention and MLP compiled once
 kernels = 'auto'  # how the routing runs (kernels.py): reference, torch, triton; auto = triton on CUDA, else torch
 mgr_fallback_p = 1  # MGR's fast backward inverts the lerp, keeping p originals per token; -1 = no inversion
 seed = 0
@@ -67,6 +69,7 @@ def main(argv):
     cfg, _ = configurator.parse(argv, configurator.keys_of(globals()), __doc__)
     configurator.check(cfg, {'steps': (lambda v: v >= 1, 'at least 1'), 'warmup': (lambda v: v >= 0, 'at least 0'),
                              'vocab_size': (lambda v: v >= 2, 'at least 2'),
+                             'compile_scope': (lambda v: v in ('model', 'sublayers'), 'model or sublayers'),
                              'mgr_fallback_p': (lambda v: v >= -1, '-1 (no inversion) or at least 0')})
     if cfg['config'] not in CONFIGS:
         sys.exit(f"error: config={cfg['config']!r}; choose one of: {', '.join(CONFIGS)}")
@@ -85,7 +88,8 @@ def main(argv):
     gen = torch.Generator().manual_seed(cfg['seed'])
     x = torch.randint(cfg['vocab_size'], (B, T), generator=gen).to(dev)
     y = torch.randint(cfg['vocab_size'], (B, T), generator=gen).to(dev)
-    print(f"bench: {cfg['config']} {shape}, batch {B}, on {dev} {dtype_name}, compile={cfg['compile']}, "
+    print(f"bench: {cfg['config']} {shape}, batch {B}, on {dev} {dtype_name}, compile={cfg['compile']} "
+          f"({cfg['compile_scope']}), "
           f"kernels={backend}, mgr_fallback_p={cfg['mgr_fallback_p']}, "
           f"{cfg['warmup']} warm-up + {cfg['steps']} timed steps each, {torch.get_num_threads()} threads")
 
@@ -97,7 +101,11 @@ def main(argv):
         with ctx:
             saved = saved_bytes(model, x, y)
         optimizer = model.configure_optimizers(0.1, 1e-4, (0.9, 0.95), dev.type)
-        step_model = torch.compile(model) if cfg['compile'] else model
+        step_model = model
+        if cfg['compile'] and cfg['compile_scope'] == 'sublayers':
+            model.compile_sublayers()
+        elif cfg['compile']:
+            step_model = torch.compile(model)
         runs[name] = dict(model=model, step=step_model, optimizer=optimizer, times=[], saved=saved, first=None)
 
     def train_step(run):

@@ -399,6 +399,28 @@ def test_kernels_knob_errors_are_clear(tmp_path):
     assert not (tmp_path / 'o').exists()
 
 
+def test_regional_compilation_compiles_one_attention_and_one_mlp_at_any_depth():
+    """compile_sublayers (--compile_scope=sublayers): a 4-layer model compiles two graphs, one for
+    every attention and one for every MLP, and gives eager's loss and gradients (backend 'eager')."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny_model('wav', n_layer=4, n_embd=24, block_size=8)
+    randomize_routing(model)
+    idx = torch.randint(27, (2, 7), generator=torch.Generator().manual_seed(0))
+    results = []
+    for compiled in (False, True):
+        if compiled:
+            model.compile_sublayers(backend='eager')
+        _, loss = model(idx, idx)
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+        model.zero_grad()
+    assert counters['stats']['unique_graphs'] == 2
+    assert torch.allclose(results[0][0], results[1][0], atol=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(results[0][1], results[1][1]))
+
+
 @pytest.mark.parametrize('residual', METHODS)
 def test_every_method_compiles_as_one_graph(residual):
     """torch.compile(fullgraph=True) traces every method on its default path (kernels=torch) without a

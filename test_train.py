@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 
+import model
 import sample
 import train
 from conftest import (METHODS, ROOT, TINY_TRAIN, assert_clean_error, exit_message, read_train_losses, run_cli)
@@ -341,6 +342,12 @@ def test_compile_says_that_it_compiles(tmp_path, data_dir, capsys, monkeypatch):
     train.main([f'--out_dir={tmp_path}', f'--data_dir={data_dir}', '--max_iters=1', '--eval_interval=1',
                 '--compile=True', *TINY_TRAIN])
     assert 'compiling the model with torch.compile' in capsys.readouterr().err
+    compiled = []
+    monkeypatch.setattr(model.GPT, 'compile_sublayers', lambda self: compiled.append(self))
+    train.main([f'--out_dir={tmp_path / "regional"}', f'--data_dir={data_dir}', '--max_iters=1', '--eval_interval=1',
+                '--compile=True', '--compile_scope=sublayers', *TINY_TRAIN])
+    assert 'compiling each sublayer' in capsys.readouterr().err and len(compiled) == 1
+    assert 'model or sublayers' in exit_message(train.main, ['--compile_scope=blocks'])
 
 
 @pytest.mark.parametrize('script', ['train.py', 'sample.py', 'bench.py', 'analyze.py', 'sweep.py', 'data.py'])

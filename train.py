@@ -57,6 +57,9 @@ min_lr = 2e-4
 device = 'auto'  # auto = cuda > mps > cpu; or e.g. cpu, cuda, cuda:1
 dtype = 'auto'  # auto = bfloat16 on a GPU that supports it, else float32
 compile = False  # torch.compile the model (the first steps then take a while)
+compile_scope = 'model'  # model: one graph, the routing included (minutes for deep models on a CPU);
+# sublayers: each attention and MLP compiled once and reused at every layer (seconds at any depth;
+# the routing then runs eager)
 kernels = 'auto'  # how the routing runs (kernels.py): reference, torch, triton; auto = triton on CUDA, else torch
 mgr_fallback_p = 1  # MGR's fast backward inverts the lerp, keeping p originals per token; -1 = no inversion
 # logging to Weights & Biases (optional: pip install wandb), the records of log.jsonl
@@ -81,6 +84,7 @@ RULES = {  # the ranges of this script's numbers (the model's are checked by GPT
     'grad_clip': AT_LEAST_0, 'warmup_iters': AT_LEAST_0, 'lr_decay_iters': AT_LEAST_0,
     'mgr_fallback_p': (lambda v: v >= -1, '-1 (no inversion) or at least 0'),
     'init_from': (lambda v: v in ('scratch', 'resume'), 'scratch or resume'),
+    'compile_scope': (lambda v: v in ('model', 'sublayers'), 'model or sublayers'),
 }
 
 
@@ -220,10 +224,14 @@ def main(argv):
         if rank == 0:
             torch.set_rng_state(ckpt['rng']['torch'])  # dropout; other ranks keep their own seeds
         del ckpt
-    if cfg['compile']:
+    if cfg['compile'] and cfg['compile_scope'] == 'sublayers':
+        if master:
+            print("compiling each sublayer with torch.compile: the first step takes a while", file=sys.stderr)
+        model.compile_sublayers()
+    elif cfg['compile']:
         if master:
             print("compiling the model with torch.compile: the first steps take a while (minutes for deep models "
-                  "on a CPU)", file=sys.stderr)
+                  "on a CPU; --compile_scope=sublayers takes seconds)", file=sys.stderr)
         model = torch.compile(model)
     if ddp:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == 'cuda' else None)
