@@ -1,5 +1,5 @@
 """
-Cost of every residual method against prenorm, measured in one process.
+Cost of every residual method against prenorm.
 
     python bench.py                                  # default config, every registered method
     python bench.py --config=deep --methods=prenorm,block_attnres,wav --steps=5
@@ -8,15 +8,21 @@ Cost of every residual method against prenorm, measured in one process.
     python bench.py --methods=mgr --mgr_fallback_p=-1   # MGR without the inverting backward
     python bench.py --config=gpt2 --kernels=triton      # on a GPU: GPT-2 small's shape, bf16
 
-Steps are interleaved (step 1 of every method, then step 2, ...) so that machine noise hits all
-methods alike. Reports the median train-step time (forward + backward + AdamW step), tokens/s,
+Each method runs in a process of its own beside its own prenorm (--isolate=False: all in one
+process): models that share a process slow each other down through the memory allocator, on a
+CPU by up to 1.2x, and by how much depends on which methods share it. Within a process the steps
+are interleaved (step 1 of every model, then step 2, ...) so that machine noise hits them alike.
+Reports the median train-step time (forward + backward + AdamW step), tokens/s,
 the ratio to prenorm, parameters, the bytes that autograd saves for backward (activation memory,
 counted once per storage, parameters excluded; device-independent) and, on CUDA, peak memory.
 With --compile=True, the first step of each method (compilation included) is timed apart.
 """
 import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -32,6 +38,7 @@ CONFIGS = {
     # the papers' GPU shapes: GPT-2 small (12 x 768, context 1024), and 48 layers of it
     'gpt2': dict(n_layer=12, n_embd=768, n_head=12, block_size=1024, batch_size=8),
     'gpt2_deep': dict(n_layer=48, n_embd=768, n_head=12, block_size=1024, batch_size=4),
+    'tiny': dict(n_layer=2, n_embd=32, n_head=2, block_size=32, batch_size=2),  # does it all run?
 }
 
 config = 'default'  # a key of CONFIGS
@@ -47,6 +54,7 @@ kernels = 'auto'  # how the routing runs (kernels.py): reference, torch, triton;
 mgr_fallback_p = 1  # MGR's fast backward inverts the lerp, keeping p originals per token; -1 = no inversion
 seed = 0
 json_path = ''  # write the results here too
+isolate = True  # each method in its own process beside its own prenorm
 
 
 def saved_bytes(model, x, y):
@@ -93,6 +101,34 @@ def main(argv):
           f"kernels={backend}, mgr_fallback_p={cfg['mgr_fallback_p']}, "
           f"{cfg['warmup']} warm-up + {cfg['steps']} timed steps each, {torch.get_num_threads()} threads")
 
+    if cfg['isolate'] and len(names) > 2:
+        results = isolated(argv, names[1:])
+    else:
+        results = measure(cfg, names, shape, B, x, y, dev, ctx, backend)
+    report(results, cfg, shape, B, dev, dtype_name)
+    return results
+
+
+def isolated(argv, methods):
+    """Each method beside its own prenorm in a fresh process; the prenorm row is the median of theirs."""
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for k, name in enumerate(methods):
+            print(f"  {name} ({k + 1}/{len(methods)}) in a process of its own", file=sys.stderr)
+            path = os.path.join(tmp, f'{name}.json')
+            subprocess.run([sys.executable, os.path.abspath(__file__), *argv, f'--methods={name}', '--isolate=False',
+                            f'--json_path={path}'], check=True, stdout=subprocess.DEVNULL)
+            with open(path) as f:
+                base, result = json.load(f)['results']
+            results.append((base, result))
+    bases = [base for base, _ in results]
+    middle = sorted(bases, key=lambda r: r['step_ms'])[len(bases) // 2]
+    return [{**middle, 'step_ms_each': [r['step_ms'] for r in bases]}] + [r for _, r in results]
+
+
+def measure(cfg, names, shape, B, x, y, dev, ctx, backend):
+    """The models of `names` in this process, their steps interleaved."""
+    T = shape['block_size']
     runs = {}
     for name in names:
         torch.manual_seed(cfg['seed'])
@@ -140,7 +176,12 @@ def main(argv):
         results.append(dict(method=name, step_ms=median * 1e3, tokens_per_s=B * T / median,
                             ratio=median / base, params=run['model'].get_num_params(),
                             saved_mb=run['saved'] / 2**20, saved_ratio=run['saved'] / base_saved,
-                            first_step_s=run['first']))
+                            first_step_s=run['first'],
+                            peak_gib=torch.cuda.max_memory_allocated() / 2**30 if dev.type == 'cuda' else 0.0))
+    return results
+
+
+def report(results, cfg, shape, B, dev, dtype_name):
     first = f" {'compile s':>10}" if cfg['compile'] else ''
     print(f"\n{'method':<14} {'step ms':>9} {'tokens/s':>10} {'x prenorm':>10} {'params':>11} "
           f"{'saved MB':>9} {'x prenorm':>10}" + first)
@@ -150,13 +191,15 @@ def main(argv):
               (f" {r['first_step_s']:>10.1f}" if cfg['compile'] else ''))
     if cfg['compile']:
         print(f"compile s: the first step, compilation included; {sum(r['first_step_s'] for r in results):.0f} s in all")
+    if 'step_ms_each' in results[0]:
+        print(f"prenorm beside each method: {min(results[0]['step_ms_each']):.1f} to "
+              f"{max(results[0]['step_ms_each']):.1f} ms a step (its row: the median)")
     if dev.type == 'cuda':
-        print(f"peak CUDA memory over all models: {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
+        print(f"peak CUDA memory of a process: {max(r['peak_gib'] for r in results):.2f} GiB")
     if cfg['json_path']:
         with open(cfg['json_path'], 'w') as f:
             json.dump({'config': cfg, 'shape': shape, 'batch_size': B, 'device': str(dev), 'dtype': dtype_name,
                        'results': results}, f, indent=1)
-    return results
 
 
 if __name__ == '__main__':

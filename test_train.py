@@ -363,3 +363,20 @@ def test_the_tools_check_their_numbers():
     assert 'steps=0 is out of range' in exit_message(bench.main, ['--steps=0'])
     assert 'temperature=0.0 is out of range' in exit_message(sample.main, ['--temperature=0'])
     assert 'batch_size=0 is out of range' in exit_message(analyze.main, ['--batch_size=0'])
+
+
+def test_bench_runs_each_method_beside_its_own_prenorm(tmp_path):
+    """bench.py runs every method in a process of its own with a prenorm beside it, and reports
+    each ratio against that prenorm; in one process (--isolate=False) the models and the saved
+    bytes are the same (they do not depend on the process)."""
+    import bench
+    args = ['--config=tiny', '--methods=wav,hc', '--steps=1', '--warmup=0']
+    isolated = bench.main([*args, f'--json_path={tmp_path / "isolated.json"}'])
+    together = bench.main([*args, '--isolate=False'])
+    assert [r['method'] for r in isolated] == [r['method'] for r in together] == ['prenorm', 'wav', 'hc']
+    assert len(isolated[0]['step_ms_each']) == 2 and isolated[0]['step_ms'] in isolated[0]['step_ms_each']
+    assert [r['saved_mb'] for r in isolated] == [r['saved_mb'] for r in together]
+    assert all(r['params'] == t['params'] and r['step_ms'] > 0 for r, t in zip(isolated, together))
+    assert isolated[1]['saved_ratio'] > 1 and isolated[0]['ratio'] == 1.0
+    with open(tmp_path / 'isolated.json') as f:
+        assert json.load(f)['results'] == isolated
