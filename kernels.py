@@ -82,8 +82,11 @@ def upcast(x):
     return x.float() if x.element_size() < 4 else x
 
 
-def upcast_dtype(x):
-    return torch.float32 if x.element_size() < 4 else x.dtype
+def rms_inverse(x, keepdim=False):
+    """1 / sqrt(mean(x^2) + eps) over the last dimension, in one pass without a squared copy
+    (float32 for half-precision x)."""
+    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=keepdim, dtype=torch.float32 if x.element_size() < 4 else x.dtype)
+    return torch.rsqrt(norm.square() / x.shape[-1] + RMS_EPS)
 
 
 def next_pow2(x):
@@ -124,7 +127,7 @@ class DepthMix(torch.autograd.Function):
     @staticmethod
     def forward(ctx, queries, bias, *sources):
         values = [upcast(v) for v in sources]
-        rinv = torch.stack([torch.rsqrt(v.pow(2).mean(-1) + RMS_EPS) for v in values])  # r_s (S, B, T)
+        rinv = torch.stack([rms_inverse(v) for v in values])  # r_s (S, B, T)
         scores, logits = DepthMix.logits(queries, bias, values, rinv)
         lse = torch.logsumexp(logits, dim=1)
         weights = torch.exp(logits - lse.unsqueeze(1))
@@ -434,8 +437,7 @@ def advance(mixed, post, update):
 def rms_projection(X, W):
     """rms_norm(X) @ W computed as r (X W), r = 1 / sqrt(mean(X^2) + eps) per row: no normalised copy
     of X. Returns (r, X W r)."""
-    r = torch.rsqrt(torch.linalg.vector_norm(X, dim=-1, keepdim=True, dtype=upcast_dtype(X)).square() / X.shape[-1]
-                    + RMS_EPS)
+    r = rms_inverse(X, keepdim=True)
     return r, F.linear(X, W.t().contiguous()) * r
 
 
@@ -570,7 +572,7 @@ def _gates(z, bias, competitive):
 
 def _rms_dot(x, query):
     """r = 1/RMS(x) and the score r x.query, per stream and token: x (n, N, C) -> (n, N), (n, N)."""
-    r = torch.rsqrt(torch.linalg.vector_norm(x, dim=-1).square() / x.shape[-1] + RMS_EPS)
+    r = rms_inverse(x)
     return r, r * (x @ query)
 
 
