@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 
 import torch
 
@@ -58,17 +59,22 @@ isolate = True  # each method in its own process beside its own prenorm
 
 
 def saved_bytes(model, x, y):
-    """Bytes autograd keeps for backward in one forward: each storage counted once, parameters left out."""
+    """Bytes autograd keeps for backward after one forward: the storages of the saved tensors that
+    the graph still holds when the forward is done (a branch whose graph was dropped on the way
+    holds none, and its memory may be reused), each counted once, parameters left out."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages = {}
+    saved = []
 
     def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            storages[storage.data_ptr()] = storage.nbytes()
+        saved.append(weakref.ref(t))
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         _, loss = model(x, y)
+    storages = {}
+    for t in (ref() for ref in saved):
+        storage = None if t is None else t.untyped_storage()
+        if storage is not None and storage.data_ptr() not in params:
+            storages[storage.data_ptr()] = storage.nbytes()
     del loss
     return sum(storages.values())
 
