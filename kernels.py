@@ -534,11 +534,11 @@ def streams(coefficients, module, x, sublayers, backend, mgr_fallback_p):
     segment's streams once. `coefficients` names the class's module of connections, whose
     `connect(i, P)` gives the connections from the projection P = rms_norm(X) @ proj[i]: HC's
     A = [A_m | A_r] (n, n+1) and post = B as they are, mHC-lite's through mhc_connect.
-    Eager only: compiled, the class's forward runs (the compiler plans its own memory)."""
-    if torch.compiler.is_compiling():
-        return module(x, sublayers)
+    Compiled, compiled_streams runs instead (the compiler plans its own memory)."""
     connections = getattr(module, coefficients)
     connect = connections.connect if coefficients == 'connections' else functools.partial(mhc_connect, connections)
+    if torch.compiler.is_compiling():
+        return compiled_streams(module, connections, connect, x, sublayers)
     params = list(connections.parameters())
     length = max(1, round(math.sqrt(len(sublayers))))
     H = x.unsqueeze(-2).expand(*x.shape[:-1], module.n, x.shape[-1])  # e copied into n streams, as residuals.copies
@@ -552,6 +552,19 @@ def streams(coefficients, module, x, sublayers, backend, mgr_fallback_p):
         update = f(h)
         segment.updates.append(update.detach())
         H = advance(mixed, post, update)
+    return module.readout(H)
+
+
+def compiled_streams(module, connections, connect, x, sublayers):
+    """The class's maths for the compiler, with the mixing written as n broadcast multiply-adds
+    (inductor fuses them with the update into one loop; A^T H would stay a batched GEMM of tiny
+    per-token matrices). The compiler plans the memory."""
+    H = x.unsqueeze(-2).expand(*x.shape[:-1], module.n, x.shape[-1])
+    for i, f in enumerate(sublayers):
+        W = getattr(connections, 'proj', None)
+        A, post = connect(i, None if W is None else rms_projection(projected_rows(H, W[i]), W[i])[1])
+        mixed = (A.unsqueeze(-1) * H.unsqueeze(-2)).sum(-3)  # (..., n+1, C): row 0 is h, rows 1..n are H'
+        H = advance(mixed[..., 1:, :], post, f(mixed[..., 0, :]))
     return module.readout(H)
 
 
