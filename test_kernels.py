@@ -421,14 +421,14 @@ def test_regional_compilation_compiles_one_attention_and_one_mlp_at_any_depth():
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(results[0][1], results[1][1]))
 
 
-@pytest.mark.parametrize('residual', METHODS)
-def test_every_method_compiles_as_one_graph(residual):
+@pytest.mark.parametrize('residual,knobs', [(m, {}) for m in METHODS] + STREAM_VARIANTS[1::2])
+def test_every_method_compiles_as_one_graph(residual, knobs):
     """torch.compile(fullgraph=True) traces every method on its default path (kernels=torch) without a
     graph break, and the compiled model gives eager's loss and gradients (backend 'eager': Dynamo's
     tracing alone, without generating code). In float64: compiled, HC and mHC-lite run their class's
     forward, which rounds differently from their eager twin."""
     torch._dynamo.reset()  # one model per test: no recompilation limit shared across them
-    model = tiny_model(residual, n_layer=2, n_embd=24, block_size=8)
+    model = tiny_model(residual, n_layer=2, n_embd=24, block_size=8, **knobs)
     randomize_routing(model)
     model.double()
     idx = torch.randint(27, (2, 7), generator=torch.Generator().manual_seed(0))
