@@ -30,7 +30,7 @@ import torch
 
 import configurator
 from kernels import resolve as resolve_kernels
-from model import GPT, GPTConfig
+from model import COMPILE_SCOPES, GPT, GPTConfig
 from residuals import RESIDUALS
 
 CONFIGS = {
@@ -71,10 +71,9 @@ def saved_bytes(model, x, y):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         _, loss = model(x, y)
     storages = {}
-    for t in (ref() for ref in saved):
-        storage = None if t is None else t.untyped_storage()
-        if storage is not None and storage.data_ptr() not in params:
-            storages[storage.data_ptr()] = storage.nbytes()
+    for t in filter(lambda t: t is not None, (ref() for ref in saved)):
+        if t.untyped_storage().data_ptr() not in params:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     del loss
     return sum(storages.values())
 
@@ -83,7 +82,7 @@ def main(argv):
     cfg, _ = configurator.parse(argv, configurator.keys_of(globals()), __doc__)
     configurator.check(cfg, {'steps': (lambda v: v >= 1, 'at least 1'), 'warmup': (lambda v: v >= 0, 'at least 0'),
                              'vocab_size': (lambda v: v >= 2, 'at least 2'),
-                             'compile_scope': (lambda v: v in ('model', 'sublayers'), 'model or sublayers'),
+                             'compile_scope': (lambda v: v in COMPILE_SCOPES, ' or '.join(COMPILE_SCOPES)),
                              'mgr_fallback_p': (lambda v: v >= -1, '-1 (no inversion) or at least 0')})
     if cfg['config'] not in CONFIGS:
         sys.exit(f"error: config={cfg['config']!r}; choose one of: {', '.join(CONFIGS)}")
@@ -143,11 +142,7 @@ def measure(cfg, names, shape, B, x, y, dev, ctx, backend):
         with ctx:
             saved = saved_bytes(model, x, y)
         optimizer = model.configure_optimizers(0.1, 1e-4, (0.9, 0.95), dev.type)
-        step_model = model
-        if cfg['compile'] and cfg['compile_scope'] == 'sublayers':
-            model.compile_sublayers()
-        elif cfg['compile']:
-            step_model = torch.compile(model)
+        step_model = model.compiled(cfg['compile_scope']) if cfg['compile'] else model
         runs[name] = dict(model=model, step=step_model, optimizer=optimizer, times=[], saved=saved, first=None)
 
     def train_step(run):

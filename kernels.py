@@ -498,13 +498,13 @@ class StreamMix(torch.autograd.Function):
     def backward(ctx, grad_h, grad_mixed, grad_post):
         _, W, A, post, *params = ctx.saved_tensors
         H = ctx.segment.streams_at(ctx.i, ctx.autocast)
-        P = None
-        if W is not None:
-            with torch.autocast(**ctx.autocast):
-                r, P = rms_projection(projected_rows(H, W), W)
-        with torch.autocast(**ctx.autocast):  # mixed = A^T H: row 0 is h, rows 1..n are H'; the products
-            grad_A = torch.einsum('...kc,...jc->...kj', H, grad_mixed)  # at the forward's precision,
-            grad_H = torch.einsum('...kj,...jc->...kc', A[..., 1:], grad_mixed)  # the sums in H's
+        X, P = None if W is None else projected_rows(H, W), None
+        with torch.autocast(**ctx.autocast):  # the forward's precision for the products
+            if W is not None:
+                r, P = rms_projection(X, W)
+            # mixed = A^T H: row 0 is h, rows 1..n are H'; the sums below in H's precision
+            grad_A = torch.einsum('...kc,...jc->...kj', H, grad_mixed)
+            grad_H = torch.einsum('...kj,...jc->...kc', A[..., 1:], grad_mixed)
         grad_A = torch.cat([(H * grad_h.unsqueeze(-2)).sum(-1, keepdim=True), grad_A], -1).sum_to_size(A.shape)
         grad_H = grad_H.to(H.dtype).addcmul_(A[..., :1], grad_h.unsqueeze(-2))
         leaves = [p for p in params if p.requires_grad]
@@ -517,7 +517,6 @@ class StreamMix(torch.autograd.Function):
         grad_W = None
         if P is not None:  # P = r (X W), r = (mean(X^2) + eps)^-1/2 per row of X
             (grad_P, *grads), P = grads, P.detach()
-            X = projected_rows(H, W)
             G = r * grad_P  # X gets G W^T - (r^2 / D) (grad_P . P) X, W gets X^T G
             grad_X = grad_H.view(X.shape)  # added into grad_H in place
             grad_X.view(-1, X.shape[-1]).addmm_(G.flatten(0, -2).to(grad_X.dtype), W.t().to(grad_X.dtype))
@@ -537,11 +536,11 @@ def streams(coefficients, module, x, sublayers, backend, mgr_fallback_p):
     Compiled, compiled_streams runs instead (the compiler plans its own memory)."""
     connections = getattr(module, coefficients)
     connect = connections.connect if coefficients == 'connections' else functools.partial(mhc_connect, connections)
+    H = x.unsqueeze(-2).expand(*x.shape[:-1], module.n, x.shape[-1])  # e copied into n streams, as residuals.copies
     if torch.compiler.is_compiling():
-        return compiled_streams(module, connections, connect, x, sublayers)
+        return compiled_streams(module, connections, connect, H, sublayers)
     params = list(connections.parameters())
     length = max(1, round(math.sqrt(len(sublayers))))
-    H = x.unsqueeze(-2).expand(*x.shape[:-1], module.n, x.shape[-1])  # e copied into n streams, as residuals.copies
     # every sublayer's projection W_i at once: one backward node gathers their gradients (proj[i]
     # would give each sublayer a full-size zero gradient with one row set)
     projections = connections.proj.unbind() if hasattr(connections, 'proj') else [None] * len(sublayers)
@@ -555,14 +554,13 @@ def streams(coefficients, module, x, sublayers, backend, mgr_fallback_p):
     return module.readout(H)
 
 
-def compiled_streams(module, connections, connect, x, sublayers):
-    """The class's maths for the compiler, with the mixing written as n broadcast multiply-adds
-    (inductor fuses them with the update into one loop; A^T H would stay a batched GEMM of tiny
-    per-token matrices). The compiler plans the memory."""
-    H = x.unsqueeze(-2).expand(*x.shape[:-1], module.n, x.shape[-1])
+def compiled_streams(module, connections, connect, H, sublayers):
+    """The class's maths for the compiler from the streams H, with the mixing written as n broadcast
+    multiply-adds (inductor fuses them with the update into one loop; A^T H would stay a batched
+    GEMM of tiny per-token matrices). The compiler plans the memory."""
+    proj = getattr(connections, 'proj', None)
     for i, f in enumerate(sublayers):
-        W = getattr(connections, 'proj', None)
-        A, post = connect(i, None if W is None else rms_projection(projected_rows(H, W[i]), W[i])[1])
+        A, post = connect(i, None if proj is None else rms_projection(projected_rows(H, proj[i]), proj[i])[1])
         mixed = (A.unsqueeze(-1) * H.unsqueeze(-2)).sum(-3)  # (..., n+1, C): row 0 is h, rows 1..n are H'
         H = advance(mixed[..., 1:, :], post, f(mixed[..., 0, :]))
     return module.readout(H)

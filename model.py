@@ -21,6 +21,9 @@ import kernels
 from residuals import RESIDUALS
 
 
+COMPILE_SCOPES = ('model', 'sublayers')  # of GPT.compiled
+
+
 @dataclass
 class GPTConfig:
     block_size: int = 128
@@ -178,13 +181,20 @@ class GPT(nn.Module):
         """The L = 2*n_layer sublayer modules, in order: attention, MLP, attention, MLP, ..."""
         return [f for block in self.transformer.h for f in (block.attn, block.mlp)]
 
+    def compiled(self, scope='model'):
+        """torch.compile over a scope (COMPILE_SCOPES): 'model', the whole model as one graph, the
+        routing included (returns the compiled wrapper); 'sublayers', compile_sublayers (returns self)."""
+        if scope == 'sublayers':
+            self.compile_sublayers()
+            return self
+        return torch.compile(self)
+
     def compile_sublayers(self, **options):
         """Regional compilation: torch.compile each sublayer in place. Every attention shares one
         compiled graph and every MLP another (their parameters are the graphs' inputs), so compiling
         takes about as long at 48 layers as at 2; the routing between them runs eager, on its kernels."""
         for f in self.sublayers():
             f.compile(**options)
-        return self
 
     def forward(self, idx, targets=None):
         B, T = idx.size()

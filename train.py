@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 import configurator
 import data
-from model import GPT, GPTConfig, CheckpointError, load_checkpoint, save_checkpoint
+from model import COMPILE_SCOPES, GPT, GPTConfig, CheckpointError, load_checkpoint, save_checkpoint
 
 # -----------------------------------------------------------------------------
 # defaults: a small model (GPTConfig's defaults: 4 layers, width 128, context 128) that learns the
@@ -84,7 +84,7 @@ RULES = {  # the ranges of this script's numbers (the model's are checked by GPT
     'grad_clip': AT_LEAST_0, 'warmup_iters': AT_LEAST_0, 'lr_decay_iters': AT_LEAST_0,
     'mgr_fallback_p': (lambda v: v >= -1, '-1 (no inversion) or at least 0'),
     'init_from': (lambda v: v in ('scratch', 'resume'), 'scratch or resume'),
-    'compile_scope': (lambda v: v in ('model', 'sublayers'), 'model or sublayers'),
+    'compile_scope': (lambda v: v in COMPILE_SCOPES, ' or '.join(COMPILE_SCOPES)),
 }
 
 
@@ -224,15 +224,13 @@ def main(argv):
         if rank == 0:
             torch.set_rng_state(ckpt['rng']['torch'])  # dropout; other ranks keep their own seeds
         del ckpt
-    if cfg['compile'] and cfg['compile_scope'] == 'sublayers':
+    if cfg['compile']:
         if master:
-            print("compiling each sublayer with torch.compile: the first step takes a while", file=sys.stderr)
-        model.compile_sublayers()
-    elif cfg['compile']:
-        if master:
-            print("compiling the model with torch.compile: the first steps take a while (minutes for deep models "
+            print("compiling each sublayer with torch.compile: the first step takes a while"
+                  if cfg['compile_scope'] == 'sublayers' else
+                  "compiling the model with torch.compile: the first steps take a while (minutes for deep models "
                   "on a CPU; --compile_scope=sublayers takes seconds)", file=sys.stderr)
-        model = torch.compile(model)
+        model = model.compiled(cfg['compile_scope'])
     if ddp:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == 'cuda' else None)
 
