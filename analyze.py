@@ -8,7 +8,9 @@ For each checkpoint, on a fixed batch of its validation split (the model runs it
 - activations: RMS and max-abs of every sublayer's input (before its own pre-norm), per sublayer:
   the hidden state that grows with depth under PreNorm (the AttnRes papers' motivation);
 - routing (AttnRes family, WAV): the mean softmax weight of each reader on each source, and for
-  WAV the total weight on detail sources per reader;
+  WAV the total weight on detail sources per reader; DenseFormer: its DWA weights alpha (the
+  paper's matrix: a row per average, a column per stored state); MUDDFormer: the mean dynamic
+  weight of each layer's residual way on each state (every way's in the JSON, `dense_weights`);
 - streams (hc, mhc_lite, mgr): the mean pairwise angular distance between the streams each
   sublayer reads (0 = identical directions, 1 = opposite);
 - composite gain (hc, mhc_lite): the product of the stream-mixing matrices of sublayers 0..l, per
@@ -22,7 +24,7 @@ Plots need matplotlib (optional); without it only analysis.json is written.
 How it watches: each routing computation of residuals.py is a call of a small submodule (a
 DepthAttention read, HC's connections, mHC-lite's coefficients, MGR's AttnPool and gates), so a
 forward hook sees its inputs and outputs; a depth read's weights are recomputed from its inputs
-with DepthAttention.weights.
+with DepthAttention.weights. DenseFormer's DWA and MUDD's weight generator are submodules too.
 """
 import json
 import math
@@ -34,7 +36,7 @@ import torch
 import configurator
 import data
 from model import GPT, CheckpointError, load_checkpoint
-from residuals import DepthAttention
+from residuals import DepthAttention, DepthWeightedAverage, DynamicDenseWeights
 
 out_dir = 'out'  # one run folder, or several separated by commas
 ckpt_name = 'ckpt.pt'
@@ -47,8 +49,9 @@ def record(model, idx):
     """One forward of idx through the reference path, watched by forward hooks. Returns every
     sublayer's input and, per routing submodule call in order: the depth reads (reader index, mean
     weights per source, number of detail sources), the streams each sublayer reads (n, B, T, C),
-    the stream-mixing matrices (hc: A_r^T, mhc_lite: H_res; (B, T, n, n)) and MGR's gates (n, B, T)."""
-    rec = {'inputs': [], 'reads': [], 'streams': [], 'mixing': [], 'gates': []}
+    the stream-mixing matrices (hc: A_r^T, mhc_lite: H_res; (B, T, n, n)), MGR's gates (n, B, T) and
+    MUDD's mean weights per way and state. DenseFormer's averages and MUDD's residual way count as reads."""
+    rec = {'inputs': [], 'reads': [], 'streams': [], 'mixing': [], 'gates': [], 'dense': []}
     residual, hooks = model.residual, []
 
     def on_read(module, args, kwargs, output):
@@ -70,11 +73,25 @@ def record(model, idx):
         rec['streams'].append(x.detach().movedim(-2, 0))
         rec['mixing'].append(output[2].detach())
 
+    def on_average(module, args, output):  # DenseFormer: row r of alpha over the states X_0..X_r
+        r, states = args
+        rec['reads'].append({'reader': r - 1, 'weights': module.alpha[r - 1, :r + 1].tolist(), 'details': 0})
+
+    def on_dense(module, args, w):  # MUDD: w (ways, B, T, i+2); the residual way is the last
+        i, newest = args
+        means = w.float().mean(dim=(1, 2)).tolist()
+        rec['dense'].append(means)
+        rec['reads'].append({'reader': i, 'weights': means[-1], 'details': 0})
+
     for f in model.sublayers():
         hooks.append(f.register_forward_pre_hook(lambda module, args: rec['inputs'].append(args[0].detach())))
     for module in residual.modules():
         if isinstance(module, DepthAttention):
             hooks.append(module.register_forward_hook(on_read, with_kwargs=True))
+        if isinstance(module, DepthWeightedAverage):
+            hooks.append(module.register_forward_hook(on_average))
+        if isinstance(module, DynamicDenseWeights):
+            hooks.append(module.register_forward_hook(on_dense))
     if hasattr(residual, 'connections'):
         hooks.append(residual.connections.register_forward_hook(on_connections))
     if hasattr(residual, 'coefficients'):
@@ -162,6 +179,8 @@ def analyze(path, n_sequences, budget):
               'iter': ckpt['iter_num'], 'activations': activation_stats(rec['inputs'])}
     if rec['reads']:
         result['routing'] = routing_stats(rec['reads'])
+    if rec['dense']:
+        result['dense_weights'] = rec['dense']
     if rec['streams']:
         result['streams'] = {'angular_distance': stream_angles(rec['streams'])}
     if rec['mixing']:

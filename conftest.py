@@ -36,7 +36,7 @@ METHODS = sorted(RESIDUALS)
 
 TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=27)
 TINY_TRAIN = ['--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=32', '--batch_size=32',
-              '--learning_rate=1e-2', '--min_lr=1e-3', '--warmup_iters=5', '--eval_tokens=4096']
+              '--learning_rate=5e-3', '--min_lr=1e-3', '--warmup_iters=5', '--eval_tokens=4096']
 
 needs_triton = pytest.mark.skipif(kernels.triton is None, reason='triton is not installed (pip install triton; Linux)')
 # every way to run the routing on CPU tensors: the classes as written, their PyTorch twins, and the

@@ -48,12 +48,16 @@ class GPTConfig:
     mgr_gate: str = 'competitive'  # or 'independent'
     mgr_b_base: float = -3.0  # gate bias of the reference depth, see mgr_L_base
     mgr_L_base: float = 21.0  # reference number of gated sublayers for the depth-scaled gate init
+    denseformer_dilation: int = 1  # a DWA averages the stored states of its own residue mod k
+    denseformer_period: int = 1  # layers per DWA (n_layer must be a multiple)
+    mudd_multiway: bool = True  # separate query, key, value and residual inputs; False: one way
+    mudd_hidden: int = 0  # width of the weight generator's hidden layer; 0 = the official rule
 
     def __post_init__(self):
         if self.residual not in RESIDUALS:
             raise ValueError(f"unknown residual {self.residual!r}; choose one of: {', '.join(RESIDUALS)}")
         for name in ('block_size', 'vocab_size', 'n_layer', 'n_head', 'n_embd', 'hc_streams', 'mgr_streams',
-                     'wav_levels'):
+                     'wav_levels', 'denseformer_dilation', 'denseformer_period'):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.n_embd % self.n_head:
@@ -66,6 +70,16 @@ class GPTConfig:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.mgr_gate not in ('independent', 'competitive'):
             raise ValueError(f"mgr_gate={self.mgr_gate!r}; choose independent or competitive")
+        if self.residual == 'denseformer' and self.n_layer % self.denseformer_period:
+            raise ValueError(f"denseformer_period={self.denseformer_period} must divide n_layer={self.n_layer}")
+        if self.mudd_hidden < 0:
+            raise ValueError(f"mudd_hidden must be >= 0 (0 = the official rule), got {self.mudd_hidden}")
+
+
+def attention_inputs(residual_cls, config, layer):
+    """How many inputs the attention of a layer takes: 1, or 3 where the residual class says so
+    (its optional `attention_inputs(config, layer)`: MUDDFormer's multiway)."""
+    return residual_cls.attention_inputs(config, layer) if hasattr(residual_cls, 'attention_inputs') else 1
 
 
 class LayerNorm(nn.Module):
@@ -81,20 +95,29 @@ class LayerNorm(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    """Sublayer f(h) = attention(norm(h)); the norm is the identity for methods without pre-norm."""
+    """Sublayer f(h) = attention(norm(h)); the norm is the identity for methods without pre-norm.
+    Built with inputs=3 (MUDDFormer's multiway), it also takes f(h_q, h_k, h_v): the query, key and
+    value each projected from an input of its own through a pre-norm of its own (ln, ln_k, ln_v)."""
 
-    def __init__(self, config, prenorm=True):
+    def __init__(self, config, prenorm=True, inputs=1):
         super().__init__()
         self.ln = LayerNorm(config.n_embd, config.bias) if prenorm else nn.Identity()
+        if inputs == 3:
+            self.ln_k, self.ln_v = LayerNorm(config.n_embd, config.bias), LayerNorm(config.n_embd, config.bias)
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
         self.n_head = config.n_head
         self.dropout = config.dropout
 
-    def forward(self, h):
+    def forward(self, h, h_k=None, h_v=None):
         B, T, C = h.size()
-        q, k, v = self.c_attn(self.ln(h)).split(C, dim=2)
+        if h_k is None:  # one input: one projection of one normalised h
+            q, k, v = self.c_attn(self.ln(h)).split(C, dim=2)
+        else:  # three inputs: each through its own norm and its third of c_attn
+            biases = self.c_attn.bias.split(C) if self.c_attn.bias is not None else (None,) * 3
+            q, k, v = (F.linear(norm(x), weight, bias) for norm, x, weight, bias in
+                       zip((self.ln, self.ln_k, self.ln_v), (h, h_k, h_v), self.c_attn.weight.split(C), biases))
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
                                            is_causal=True)
@@ -120,9 +143,9 @@ class Block(nn.Module):
     """One transformer layer: two sublayers, attention then MLP. It has no forward of its own: the
     residual class decides how the sublayers' inputs and outputs are combined."""
 
-    def __init__(self, config, prenorm):
+    def __init__(self, config, prenorm, attention_inputs=1):
         super().__init__()
-        self.attn = CausalSelfAttention(config, prenorm)
+        self.attn = CausalSelfAttention(config, prenorm, attention_inputs)
         self.mlp = MLP(config, prenorm)
 
 
@@ -136,7 +159,8 @@ class GPT(nn.Module):
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd),
             drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config, residual_cls.sublayer_norm) for _ in range(config.n_layer)]),
+            h=nn.ModuleList([Block(config, residual_cls.sublayer_norm, attention_inputs(residual_cls, config, layer))
+                             for layer in range(config.n_layer)]),
             ln_f=LayerNorm(config.n_embd, config.bias),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)

@@ -439,6 +439,102 @@ class MultiGateResiduals(nn.Module):
         return self.pool(len(sublayers), streams)
 
 
+# ----------------------------------------------------------------------------- dense connections over layers
+
+def layers(sublayers):
+    """The sublayers as transformer layers: (attention, MLP) pairs."""
+    return list(zip(sublayers[0::2], sublayers[1::2]))
+
+
+class DepthWeightedAverage(nn.Module):
+    """DenseFormer's DWA weights as one lower-triangular matrix alpha (R, R+1): row r-1 averages the
+    states X_0..X_r after group r, reading only the states of r's residue mod the dilation k (every
+    other entry is never read and gets no gradient). alpha_{r,r} = 1 and the rest 0 at init: identity."""
+
+    def __init__(self, n_groups, dilation):
+        super().__init__()
+        alpha = torch.zeros(n_groups, n_groups + 1)
+        alpha[torch.arange(n_groups), torch.arange(n_groups) + 1] = 1.0
+        self.alpha = nn.Parameter(alpha)
+        self.dilation = dilation
+
+    def forward(self, r, states):
+        """sum_{j <= r, j = r mod k} alpha_{r,j} X_j over the stored states X_0..X_r."""
+        return sum(self.alpha[r - 1, j] * states[j] for j in range(r % self.dilation, r + 1, self.dilation))
+
+
+class DenseFormer(nn.Module):
+    """DenseFormer: after every group of p pre-norm layers, x <- DWA_r(X_0..X_r), the depth-weighted
+    average of the embedding and the groups' outputs (Pagliardini et al., arXiv 2402.02622)."""
+    sublayer_norm = True
+
+    def __init__(self, config):
+        super().__init__()
+        self.period = config.denseformer_period
+        self.dwa = DepthWeightedAverage(config.n_layer // self.period, config.denseformer_dilation)
+
+    def forward(self, x, sublayers):
+        states = [x]  # X_0 = e, then each group's output before its average (averages are not stored)
+        for start in range(0, len(sublayers), 2 * self.period):
+            for f in sublayers[start:start + 2 * self.period]:
+                x = x + f(x)
+            states.append(x)
+            x = self.dwa(len(states) - 1, states)
+        return x
+
+
+class DynamicDenseWeights(nn.Module):
+    """MUDD's weights after layer i, per token from its output X_{i+1}: w = W2 GELU(W1 RMSNorm(X_{i+1})) + b_i,
+    one row per way over the states X_0..X_{i+1}. W1 normal(0, 1/sqrt(C)), W2 zero and b_i one-hot on X_{i+1}
+    ("current only"): every way starts as the newest state. Hidden width: ways x (i+2), 4x at the last layer,
+    rounded as the official code does, (h // 64 + 1) * 64; or mudd_hidden for every layer."""
+
+    def __init__(self, config, ways):
+        super().__init__()
+        self.ways, C = ways, config.n_embd  # per layer: 4 (q, k, v, r) or 1 (r)
+        self.generators, self.bias = nn.ModuleList(), nn.ParameterList()
+        for i, c in enumerate(ways):
+            n_states = i + 2
+            hidden = config.mudd_hidden or (c * n_states * (4 if i == len(ways) - 1 else 1) // 64 + 1) * 64
+            w1, w2 = nn.Linear(C, hidden, bias=False), nn.Linear(hidden, c * n_states, bias=False)
+            nn.init.normal_(w1.weight, std=C ** -0.5)
+            nn.init.zeros_(w2.weight)
+            self.generators.append(nn.Sequential(w1, nn.GELU(), w2))
+            bias = torch.zeros(c, n_states)
+            bias[:, -1] = 1.0
+            self.bias.append(nn.Parameter(bias))
+
+    def forward(self, i, newest):
+        """w (ways, B, T, i+2) for the output X_{i+1} (B, T, C) of layer i."""
+        w = self.generators[i](rms_norm(newest)).unflatten(-1, (self.ways[i], i + 2)) + self.bias[i]
+        return w.movedim(-2, 0)
+
+
+class MUDDFormer(nn.Module):
+    """MUDDFormer: after each layer, every way c (query, key, value, residual) reads its own per-token
+    mix of the states, x_c = sum_j w_{c,j} X_j; the next layer is y = x_r + attn(x_q, x_k, x_v),
+    X = y + mlp(y) (Xiao et al., arXiv 2502.12170). The last layer mixes one way, the output."""
+    sublayer_norm = True
+
+    @staticmethod
+    def attention_inputs(config, layer):
+        return 3 if config.mudd_multiway and layer > 0 else 1  # layer 0 reads the embedding alone
+
+    def __init__(self, config):
+        super().__init__()
+        ways = 4 if config.mudd_multiway else 1
+        self.dense = DynamicDenseWeights(config, [ways] * (config.n_layer - 1) + [1])
+
+    def forward(self, x, sublayers):
+        states, ways = [x], (x,)  # X_0 = e, X_1, ...; the next layer's inputs: (x_q, x_k, x_v, x_r) or (x_r,)
+        for i, (attn, mlp) in enumerate(layers(sublayers)):
+            y = ways[-1] + attn(*ways[:3])
+            states.append(y + mlp(y))
+            w = self.dense(i, states[-1])
+            ways = tuple(sum(w_c[..., j, None] * X for j, X in enumerate(states)) for w_c in w)
+        return ways[0]
+
+
 RESIDUALS = {
     'prenorm': PreNorm,
     'rezero': ReZero,
@@ -450,4 +546,6 @@ RESIDUALS = {
     'hc': HyperConnections,
     'mhc_lite': MHCLite,
     'mgr': MultiGateResiduals,
+    'denseformer': DenseFormer,
+    'mudd': MUDDFormer,
 }

@@ -68,6 +68,29 @@ def test_mgr_gates_recorded_at_init_are_the_depth_scaled_gate():
     assert [len(s) for s in rec['streams']] == [1, 2] + [3] * 6  # the streams each sublayer reads
 
 
+def test_dense_connections_weights_are_the_routing_picture():
+    """DenseFormer's reads are the rows of its DWA matrix alpha (the paper's picture: at init the
+    identity, then what was learned); MUDD's are each layer's mean residual-way weights (one-hot on the
+    newest state at init), with every way's means in `dense`."""
+    idx = torch.randint(27, (2, 8), generator=torch.Generator().manual_seed(0))
+    model = tiny_model('denseformer', n_layer=4, denseformer_dilation=2)
+    assert [r['weights'] for r in analyze.record(model, idx)['reads']] == \
+        [[0.0, 1.0], [0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0, 1.0]]
+    randomize_routing(model)
+    reads = analyze.record(model, idx)['reads']
+    alpha = model.residual.dwa.alpha
+    assert [r['reader'] for r in reads] == [0, 1, 2, 3]
+    assert all(r['weights'] == alpha[i, :i + 2].tolist() for i, r in enumerate(reads))
+    rec = analyze.record(tiny_model('mudd', n_layer=3), idx)
+    assert [r['weights'] for r in rec['reads']] == [[0.0, 1.0], [0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 1.0]]
+    assert [len(ways) for ways in rec['dense']] == [4, 4, 1]
+    mudd = tiny_model('mudd', n_layer=3)
+    randomize_routing(mudd)
+    rec = analyze.record(mudd, idx)
+    assert [r['weights'] for r in rec['reads']] == [ways[-1] for ways in rec['dense']]
+    assert rec['dense'][0][0] != rec['dense'][0][3]  # the query's and the residual's mixes differ
+
+
 def test_analyze_reports_the_diagnostics_and_pruning_a_silent_layer_changes_nothing(tmp_path, data_dir):
     folders = []
     for residual in ('prenorm', 'wav', 'mgr', 'hc'):

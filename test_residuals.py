@@ -9,13 +9,14 @@ import re
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 import data
 import kernels
 import residuals
 import train
 from conftest import (BACKENDS, METHODS, on_backends, README, REAL_TEXT, TINY_TRAIN, fake_sublayers, randomize_routing,
-                      routing, tiny_model, unigram_entropy)
+                      rel_rms, routing, tiny_model, unigram_entropy)
 from model import GPTConfig
 from residuals import RESIDUALS, DepthAttention
 
@@ -440,8 +441,137 @@ def test_mgr_accumulation_phase_starts_n_distinct_streams():
         routing('mgr', 1, mgr_streams=4)
 
 
+# ----------------------------------------------------------------------------- dense connections over layers
+
+def random_layers(n_layer, C, seed=0):
+    """Sublayers that depend on their input (a fixed random map each), so that routing changes what
+    they see; attention takes one input, or three (query, key, value) as MUDD's multiway gives it."""
+    gen = torch.Generator().manual_seed(seed)
+    maps = [torch.randn(3, C, C, generator=gen) / C ** 0.5 for _ in range(2 * n_layer)]
+
+    def attention(W):
+        return lambda h, h_k=None, h_v=None: torch.tanh(h @ W[0] + (h if h_k is None else h_k) @ W[1]
+                                                       + (h if h_v is None else h_v) @ W[2])
+    return [attention(W) if i % 2 == 0 else (lambda h, W=W: torch.tanh(h @ W[0])) for i, W in enumerate(maps)]
+
+
+@pytest.mark.parametrize('residual,knobs', [('denseformer', {}), ('denseformer', {'denseformer_dilation': 2}),
+                                            ('denseformer', {'denseformer_period': 3, 'denseformer_dilation': 2}),
+                                            ('mudd', {'mudd_multiway': False})])
+def test_dense_connections_at_init_equal_prenorm_exactly(residual, knobs):
+    """alpha_{r,r} = 1 (DenseFormer) and MUDD's one-hot "current only" bias with W2 = 0 make every
+    average the newest state: the same logits as prenorm's, bit for bit (1.0 X + 0.0 Y is X)."""
+    prenorm, model = tiny_model('prenorm', n_layer=6), tiny_model(residual, n_layer=6, **knobs)
+    missing, unexpected = model.load_state_dict(prenorm.state_dict(), strict=False)
+    assert not unexpected and all(k.startswith('residual.') for k in missing)
+    idx = torch.randint(27, (2, 32))
+    with torch.no_grad():
+        assert torch.equal(model(idx, idx)[0], prenorm(idx, idx)[0])
+        randomize_routing(model)
+        assert not torch.allclose(model(idx, idx)[0], prenorm(idx, idx)[0], atol=1e-3)
+
+
+def test_mudd_multiway_at_init_is_the_plain_transformer():
+    """Multiway at init: every way is the newest state, so the query, key and value inputs are one
+    tensor; with their norms at init the split projection gives prenorm's logits to rounding."""
+    prenorm, model = tiny_model('prenorm', n_layer=4), tiny_model('mudd', n_layer=4)
+    model.load_state_dict(prenorm.state_dict(), strict=False)
+    idx = torch.randint(27, (2, 32))
+    with torch.no_grad():
+        assert torch.allclose(model(idx, idx)[0], prenorm(idx, idx)[0], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize('dilation,period', [(1, 1), (2, 1), (3, 2)])
+def test_denseformer_averages_of_the_paper_and_unused_weights_get_no_gradient(dilation, period):
+    """Against a direct reading of the paper (Y_r = sum_{j <= r, j = r mod k} alpha_{r,j} X_j over the
+    stored group outputs, written with a masked matrix): the output, and alpha's gradient, which is
+    exactly zero on every entry no average reads (above the diagonal, or of another residue)."""
+    n_layer, C = 6, 16
+    router = routing('denseformer', n_layer, C, denseformer_dilation=dilation, denseformer_period=period)
+    randomize_routing(router)
+    e = torch.randn(2, 5, C)
+    out = router(e, random_layers(n_layer, C))
+    R = n_layer // period
+    r, j = torch.arange(1, R + 1)[:, None], torch.arange(R + 1)[None, :]
+    read = (j <= r) & ((r - j) % dilation == 0)
+    weights = router.dwa.alpha.detach() * read
+    sublayers, states, x = random_layers(n_layer, C), [e], e
+    for g in range(R):
+        for f in sublayers[2 * g * period:2 * (g + 1) * period]:
+            x = x + f(x)
+        states.append(x)
+        x = torch.einsum('j,jbtc->btc', weights[g, :g + 2], torch.stack(states))
+    assert torch.allclose(out, x, atol=1e-5)
+    out.pow(2).sum().backward()
+    grad = router.dwa.alpha.grad
+    assert (grad[~read] == 0).all() and (grad[read] != 0).all()
+
+
+@pytest.mark.parametrize('multiway', [True, False])
+def test_mudd_equals_its_equations_written_with_stacked_states(multiway):
+    """MUDD against a direct reading of its equations (random routing): the weights of all ways in one
+    matrix product, the mixes as one einsum over the stacked states, query/key/value/residual ways in
+    that order; and the query, key and value inputs differ once the routing has moved."""
+    n_layer, C = 4, 16
+    router = routing('mudd', n_layer, C, mudd_multiway=multiway)
+    randomize_routing(router)
+    e = torch.randn(2, 5, C)
+    seen = []
+    sublayers = random_layers(n_layer, C)
+    watched = [(lambda *h, f=f: seen.append(h) or f(*h)) if i % 2 == 0 else f for i, f in enumerate(sublayers)]
+    out = router(e, watched)
+    dense, states, ways = router.dense, [e], [e]
+    for i in range(n_layer):
+        attn, mlp = sublayers[2 * i], sublayers[2 * i + 1]
+        y = ways[-1] + attn(*ways[:3])
+        states.append(y + mlp(y))
+        w1, w2 = dense.generators[i][0].weight, dense.generators[i][2].weight
+        hidden = F.gelu(residuals.rms_norm(states[-1]) @ w1.T)
+        n_ways = 1 if i == n_layer - 1 or not multiway else 4
+        w = (hidden @ w2.T).view(2, 5, n_ways, i + 2) + dense.bias[i]
+        ways = list(torch.einsum('btcj,jbtd->cbtd', w, torch.stack(states)))
+    assert torch.allclose(out, ways[0], atol=1e-5)
+    assert [len(h) for h in seen] == [1] + [3 if multiway else 1] * (n_layer - 1)
+    if multiway:
+        assert not torch.allclose(seen[1][0], seen[1][1]) and not torch.allclose(seen[1][1], seen[1][2])
+
+
+def test_mudd_hidden_width_follows_the_official_rule_or_the_knob():
+    """ways x (i+2), 4x at the last layer (one way), rounded up as (h // 64 + 1) * 64; mudd_hidden sets it."""
+    widths = [g[0].out_features for g in routing('mudd', 20).dense.generators]
+    assert widths == [64] * 14 + [128] * 5 + [128]  # 4 x (i+2) reaches 64 at i = 14; the last: 4 x 21 = 84
+    assert [g[2].out_features for g in routing('mudd', 3).dense.generators] == [8, 12, 4]
+    assert all(g[0].out_features == 32 for g in routing('mudd', 3, mudd_hidden=32).dense.generators)
+
+
+def test_attention_takes_three_inputs_only_where_mudd_asks_and_one_input_is_unchanged():
+    """Only MUDD's layers after the first get the key and value norms; the one-input attention is
+    nanoGPT's, bit for bit (written out here), and three equal inputs give it to rounding."""
+    for residual in METHODS:
+        model = tiny_model(residual, n_layer=3)
+        extra = sorted(k for k in model.state_dict() if '.ln_k.' in k or '.ln_v.' in k)
+        assert extra == ([f'transformer.h.{i}.attn.{n}.weight' for i in (1, 2) for n in ('ln_k', 'ln_v')]
+                         if residual == 'mudd' else []), residual
+    model = tiny_model('mudd', n_layer=2)
+    attn = model.transformer.h[1].attn
+    with torch.no_grad():
+        attn.c_attn.weight.mul_(30)  # scores far from uniform, so that the query's and key's inputs matter
+    h = torch.randn(2, 9, 32)
+    B, T, C = h.shape
+    q, k, v = attn.c_attn(attn.ln(h)).split(C, dim=2)
+    q, k, v = (t.view(B, T, attn.n_head, C // attn.n_head).transpose(1, 2) for t in (q, k, v))
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).contiguous().view(B, T, C)
+    with torch.no_grad():
+        assert torch.equal(attn(h), attn.c_proj(y))
+        assert torch.allclose(attn(h, h, h), attn(h), atol=1e-6)
+        for i in range(3):  # each of the query's, key's and value's inputs is used
+            assert rel_rms(attn(*[h.flip(1) if j == i else h for j in range(3)]), attn(h)) > 0.05
+
+
 def test_config_validates_each_knob_in_one_place():
     for bad, message in [({'residual': 'nope'}, 'choose one of'), ({'mgr_gate': 'soft'}, 'independent or competitive'),
-                         ({'n_embd': 30, 'n_head': 4}, 'multiple of n_head'), ({'res_block_size': -1}, 'res_block_size')]:
+                         ({'n_embd': 30, 'n_head': 4}, 'multiple of n_head'), ({'res_block_size': -1}, 'res_block_size'),
+                         ({'residual': 'denseformer', 'n_layer': 4, 'denseformer_period': 3}, 'must divide n_layer=4'),
+                         ({'denseformer_dilation': 0}, 'denseformer_dilation'), ({'mudd_hidden': -1}, 'mudd_hidden')]:
         with pytest.raises(ValueError, match=message):
             GPTConfig(**bad)
