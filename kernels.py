@@ -6,7 +6,7 @@ computes (plain autograd, the oracle); this file holds every fast path behind on
     reference  each class's own forward in residuals.py, exactly as written
     torch      the fast PyTorch twins below: hand-written backwards that keep no stacked copies,
                two-phase reads, HC's and mHC-lite's streams rebuilt in the backward, MGR's fused
-               step with its inverting backward
+               step with its inverting backward, DenseFormer's and MUDD's states in one buffer
     triton     the same schedules with the Triton kernels (CUDA; on CPU tensors through Triton's
                interpreter when TRITON_INTERPRET=1 is set before triton is imported, as the tests do)
     auto       triton on CUDA when it imports, else torch
@@ -35,6 +35,12 @@ the streams. Its backward can rebuild the input streams from the output streams 
 lerp, s = (s' - beta u) / (1 - beta), so the chain of steps keeps one set of streams instead of one
 per sublayer; the originals of the p largest gates per token are stored, as the inversion divides
 by 1 - beta (`mgr_fallback_p` = p; -1 = no inversion).
+
+DenseFormer and MUDD mix every earlier layer output after each layer: written as the classes write
+it, L^2/2 multiply-adds over depth (4x that for MUDD's four ways), each a pass over the activations
+forward and several backward. The twins copy each state once into one buffer and run each mix as
+one product over it (a GEMV for DenseFormer's scalar weights, a batched product per token for
+MUDD's, over a buffer laid out token by token), forward and backward.
 """
 import functools
 import math
@@ -866,7 +872,117 @@ def mgr(module, x, sublayers, backend, mgr_fallback_p):
     return h
 
 
+# ----------------------------------------------------------------------------- DenseFormer and MUDD: the states in one buffer
+
+class DenseStates:
+    """The states X_0..X_R of one forward of a dense method, each copied once into one buffer, so that
+    a mix of them is one matrix product instead of a pass per state: state by state (R+1, N, C) for
+    DenseFormer's scalar weights (a GEMV), token by token (N, R+1, C) for MUDD's per-token weights (a
+    product per token). The buffer is in the precision of the class's products (the states' and the
+    weights' promoted). Backward: every mix adds its states' gradients into a second buffer, again
+    with one product; the first mix to read a state (the last to run backward) hands its gradient
+    over and clears its row, so the next backward through a retained graph starts from zero."""
+
+    def __init__(self, n_states, x, dtype, per_token):
+        N, C = x.numel() // x.shape[-1], x.shape[-1]
+        self.per_token = per_token
+        self.values = x.new_empty((N, n_states, C) if per_token else (n_states, N, C), dtype=dtype)
+        self.grads, self.count = None, 0
+
+    def rows(self, buffer, index):
+        """The states `index` (an int or a slice) of a buffer laid out as the values are."""
+        return buffer[:, index] if self.per_token else buffer[index]
+
+    def add(self, X):
+        with torch.no_grad():
+            self.rows(self.values, self.count).copy_(X.reshape(-1, X.shape[-1]))
+        self.count += 1
+
+
+class DenseMix(torch.autograd.Function):
+    """One mix of the buffer's states `read` (a slice): weights (J,) give sum_j w_j X_j (N, C); weights
+    (N, ways, J) give, per token, the ways' mixes (N, ways, C). The autograd inputs are the weights and
+    the states this mix is the first to read (`owned`, buffer indices): it returns their gradients."""
+
+    @staticmethod
+    def forward(ctx, weights, states, read, owned, last, *owned_states):
+        S = states.rows(states.values, read)  # (J, N, C), or (N, J, C) per token
+        w = weights.to(S.dtype)
+        with torch.autocast(S.device.type, enabled=False):  # the class's multiply-adds run in the buffer's precision
+            mixed = torch.bmm(w, S) if states.per_token else (w @ S.flatten(1)).view(S.shape[1:])
+        # the last mix saves the buffer (full by then), so that memory accounting sees it
+        ctx.save_for_backward(weights, states.values if last else None)
+        ctx.states, ctx.read, ctx.owned = states, read, owned
+        ctx.owned_like = [(X.shape, X.dtype) for X in owned_states]
+        return mixed
+
+    @staticmethod
+    def backward(ctx, grad_mixed):
+        weights, _ = ctx.saved_tensors
+        states = ctx.states
+        if states.grads is None:
+            states.grads = torch.zeros_like(states.values)
+        S, dS = states.rows(states.values, ctx.read), states.rows(states.grads, ctx.read)
+        g, w = grad_mixed.to(S.dtype), weights.to(S.dtype)
+        with torch.autocast(S.device.type, enabled=False):
+            if states.per_token:  # grad_w = g S^T, dS += w^T g, token by token
+                grad_w = torch.bmm(g, S.transpose(1, 2))
+                dS.add_(torch.bmm(w.transpose(1, 2), g))  # (baddbmm_ into the strided rows loops over tokens)
+            else:
+                grad_w = S.flatten(1) @ g.flatten()
+                dS.flatten(1).addr_(w, g.flatten())
+        owned = []
+        for j, (shape, dtype) in zip(ctx.owned, ctx.owned_like):  # complete: every later reader has added its share
+            row = states.rows(states.grads, j)
+            owned.append(row.to(dtype, copy=True).view(shape))
+            row.zero_()
+        return grad_w.to(weights.dtype), None, None, None, None, *owned
+
+
+def denseformer(module, x, sublayers, backend, mgr_fallback_p):
+    """DenseFormer with its states in one buffer: each average is one GEMV over the states it reads.
+    Compiled, the class's forward (the compiler fuses its multiply-adds)."""
+    if torch.compiler.is_compiling():
+        return module(x, sublayers)
+    group, k, alpha = 2 * module.period, module.dwa.dilation, module.dwa.alpha
+    R = len(sublayers) // group
+    states = DenseStates(R + 1, x, torch.promote_types(x.dtype, alpha.dtype), per_token=False)
+    states.add(x)
+    e = x
+    for r in range(1, R + 1):
+        for f in sublayers[(r - 1) * group:r * group]:
+            x = x + f(x)
+        states.add(x)
+        read = slice(r % k, r + 1, k)
+        first = [(r, x)] + ([(0, e)] if r == k else [])  # X_r, and e where the first average reads it
+        x = DenseMix.apply(alpha[r - 1, read], states, read, [j for j, _ in first], r == R,
+                           *[X for _, X in first]).view(x.shape)
+    return x
+
+
+def mudd(module, x, sublayers, backend, mgr_fallback_p):
+    """MUDDFormer with its states in one buffer: each layer's ways are one product per token over the
+    states. Compiled, the class's forward."""
+    if torch.compiler.is_compiling():
+        return module(x, sublayers)
+    dense, n_layer = module.dense, len(sublayers) // 2
+    states = DenseStates(n_layer + 1, x, torch.promote_types(x.dtype, dense.bias[0].dtype), per_token=True)
+    states.add(x)
+    ways, e = (x,), x
+    for i, (attn, mlp) in enumerate(zip(sublayers[0::2], sublayers[1::2])):
+        y = ways[-1] + attn(*ways[:3])
+        X = y + mlp(y)
+        states.add(X)
+        w = dense(i, X)  # (ways, B, T, i+2)
+        first = [(0, e), (1, X)] if i == 0 else [(i + 1, X)]
+        mixed = DenseMix.apply(w.movedim(0, -2).flatten(0, -3), states, slice(0, i + 2), [j for j, _ in first],
+                               i == n_layer - 1, *[X for _, X in first])
+        ways = mixed.view(*x.shape[:-1], len(w), x.shape[-1]).unbind(-2)
+    return ways[0]
+
+
 # the fast twins, by the name of the class in residuals.py whose maths each computes
 FAST = {'AttnRes': attnres, 'BlockAttnRes': block_attnres, 'DeltaAttnRes': delta_attnres, 'WAV': wav,
         'HyperConnections': functools.partial(streams, 'connections'),
-        'MHCLite': functools.partial(streams, 'coefficients'), 'MultiGateResiduals': mgr}
+        'MHCLite': functools.partial(streams, 'coefficients'), 'MultiGateResiduals': mgr,
+        'DenseFormer': denseformer, 'MUDDFormer': mudd}

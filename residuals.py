@@ -464,8 +464,14 @@ class DepthWeightedAverage(nn.Module):
 
 
 class DenseFormer(nn.Module):
-    """DenseFormer: after every group of p pre-norm layers, x <- DWA_r(X_0..X_r), the depth-weighted
-    average of the embedding and the groups' outputs (Pagliardini et al., arXiv 2402.02622)."""
+    """DenseFormer (Pagliardini et al., arXiv 2402.02622): pre-norm layers in R groups of p; after group
+    r, with X_0 = e and X_r the group's output before averaging, the next group reads
+
+        x <- DWA_r(X) = sum_{j <= r, j = r mod k} alpha_{r,j} X_j       (k: dilation, p: period)
+
+    and the last average goes to the final norm. alpha_{r,r} = 1, the rest 0: prenorm exactly at init.
+    The period as in the official experiments' model: only the groups' outputs are stored (the
+    official DWA package also stores the outputs of the layers between two averages)."""
     sublayer_norm = True
 
     def __init__(self, config):
@@ -511,9 +517,13 @@ class DynamicDenseWeights(nn.Module):
 
 
 class MUDDFormer(nn.Module):
-    """MUDDFormer: after each layer, every way c (query, key, value, residual) reads its own per-token
-    mix of the states, x_c = sum_j w_{c,j} X_j; the next layer is y = x_r + attn(x_q, x_k, x_v),
-    X = y + mlp(y) (Xiao et al., arXiv 2502.12170). The last layer mixes one way, the output."""
+    """MUDDFormer (Xiao et al., arXiv 2502.12170): X_0 = e, and layer i maps its ways to X_{i+1},
+
+        y = x_r + attn(x_q, x_k, x_v),   X_{i+1} = y + mlp(y)          (layer 0: x_q = x_k = x_v = x_r = e)
+        x_c = sum_{j <= i+1} w_{c,j} X_j,   w = W2 GELU(W1 RMSNorm(X_{i+1})) + b_i   (per token)
+
+    for the ways c = q, k, v, r (multiway; one way, r, without), and one way after the last layer: the
+    output. Prenorm at init (W2 = 0, b_i one-hot on X_{i+1}), up to the split projection's rounding."""
     sublayer_norm = True
 
     @staticmethod

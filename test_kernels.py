@@ -119,9 +119,9 @@ def test_triton_reads_keep_the_sources_not_their_promoted_copies():
                 saved[backend] = saved_bytes(model, idx, idx)
         assert saved['triton'] <= saved['torch'], (residual, saved)
 
-def two_backwards(residual):
-    """The parameters' gradients of two backwards through one retained graph (3 layers, random routing)."""
-    model = tiny_model(residual, n_layer=3)
+def two_backwards(residual, n_layer=3, **knobs):
+    """The parameters' gradients of two backwards through one retained graph (random routing)."""
+    model = tiny_model(residual, n_layer=n_layer, **knobs)
     randomize_routing(model)
     idx = torch.randint(27, (2, 8), generator=torch.Generator().manual_seed(0))
     _, loss = model(idx, idx)
@@ -321,6 +321,70 @@ def test_recomputed_streams_backpropagate_twice_and_from_an_inner_sublayer():
         kernels.route(router, e, fake_sublayers(updates, inputs), backend)
         inner.append(torch.autograd.grad(inputs[4].sum(), [e, *router.parameters()]))
     assert all(rel_rms(a, b) <= 1e-10 for a, b in zip(*inner))
+
+
+# ----------------------------------------------------------------------------- DenseFormer and MUDD: the states in one buffer
+
+DENSE_VARIANTS = [('denseformer', {}), ('denseformer', {'denseformer_dilation': 2}),
+                  ('denseformer', {'denseformer_dilation': 3, 'denseformer_period': 2}),
+                  ('mudd', {}), ('mudd', {'mudd_multiway': False})]
+
+
+def dense_run(residual, knobs, n_layer, backend, dtype=torch.float64, inner=None):
+    """Output and the gradients of e and of every routing parameter (or, with inner = k, of the input
+    of sublayer k) on random routing and random sublayers that use every input they get."""
+    torch.manual_seed(0)  # MUDD's W1 init draws from the global generator
+    gen = torch.Generator().manual_seed(0)
+    router = routing(residual, n_layer, C=24, **knobs)
+    randomize_routing(router)
+    router.to(dtype)
+    weights = [torch.randn(3, 24, 24, generator=gen, dtype=dtype) * 24 ** -0.5 for _ in range(2 * n_layer)]
+    inputs = []
+
+    def sublayer(W):
+        def f(h, h_k=None, h_v=None):
+            inputs.append(h)
+            return 3 * torch.tanh(h @ W[0] + (h if h_k is None else h_k) @ W[1] + (h if h_v is None else h_v) @ W[2])
+        return f
+    e = torch.randn(2, 5, 24, generator=gen, dtype=dtype).requires_grad_()
+    out = kernels.route(router, e, [sublayer(W) for W in weights], backend)
+    probe = torch.randn(out.shape, generator=gen, dtype=dtype)
+    loss = (out * probe).sum() if inner is None else inputs[inner].pow(2).sum()
+    return [out, *torch.autograd.grad(loss, [e, *router.parameters()], allow_unused=inner is not None)]
+
+
+@pytest.mark.parametrize('residual,knobs', DENSE_VARIANTS)
+@pytest.mark.parametrize('n_layer', [1, 4, 6])
+def test_dense_states_in_one_buffer_equal_the_class(residual, knobs, n_layer):
+    """The buffered twins (kernels=torch: one product per mix, forward and backward, gradients
+    handed over by the first reader) against the classes through autograd, in float64: output and
+    the gradients of e and of every routing parameter within 1e-10."""
+    if n_layer % knobs.get('denseformer_period', 1):
+        pytest.skip('the period must divide n_layer')
+    reference, fast = (dense_run(residual, knobs, n_layer, backend) for backend in ('reference', 'torch'))
+    assert all(rel_rms(got, want) <= 1e-10 for got, want in zip(fast, reference))
+
+
+@pytest.mark.parametrize('residual,knobs', [DENSE_VARIANTS[2], DENSE_VARIANTS[3]])
+def test_dense_states_backpropagate_twice_from_an_inner_sublayer_and_under_autocast(residual, knobs):
+    """A retained graph backpropagates again to the same gradients; a backward from an inner
+    sublayer's input matches the reference; under bfloat16 autocast the twin is as close to the
+    float32 reference as the reference is (the products run in float32 in both)."""
+    assert all(torch.equal(a, b) for a, b in zip(*two_backwards(residual, 4, **knobs)))
+    inner = [dense_run(residual, knobs, 6, backend, inner=7) for backend in ('reference', 'torch')]
+    assert all((got is None and want is None) or rel_rms(got, want) <= 1e-10 for got, want in zip(*inner))
+    idx = torch.randint(27, (2, 16), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for backend, bf16 in [('reference', False), ('reference', True), ('torch', True)]:
+        model = tiny_model(residual, n_layer=6, **knobs)
+        randomize_routing(model)
+        model.set_kernels(backend)
+        with torch.autocast('cpu', dtype=torch.bfloat16, enabled=bf16):
+            _, loss = model(idx, idx)
+        loss.backward()
+        results[backend, bf16] = torch.cat([p.grad.flatten() for p in model.parameters()])
+    want = results['reference', False]
+    assert rel_rms(results['torch', True], want) <= 1.5 * rel_rms(results['reference', True], want) + 1e-3
 
 
 @needs_triton

@@ -53,6 +53,24 @@ def test_ddp_ranks_draw_different_batches_that_together_make_one_process_batch()
     assert torch.equal(ranks[0], single[0::2]) and torch.equal(ranks[1], single[1::2])
 
 
+
+def test_progress_is_a_bar_on_a_terminal_and_plain_lines_in_a_log_file(tmp_path, data_dir, capsys, monkeypatch):
+    """A background run's log (stderr not a terminal) gets one plain line per log interval and no
+    carriage-return updates; on a terminal the bar stays."""
+    args = ['--dataset=pydoc', f'--data_dir={data_dir}', '--max_iters=12', '--eval_interval=12', '--log_interval=4',
+            *TINY_TRAIN]
+    result = run_cli('train.py', f'--out_dir={tmp_path / "file"}', *args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert '\r' not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith('iter ')]
+    assert [line.split(':')[0] for line in lines] == ['iter 4/12', 'iter 8/12', 'iter 12/12']
+    assert all('loss ' in line and 'tokens/s' in line for line in lines)
+    monkeypatch.setattr(sys.stderr, 'isatty', lambda: True)
+    train.main([f'--out_dir={tmp_path / "terminal"}', *args])
+    err = capsys.readouterr().err
+    assert '\r' in err and 'iter 4/12' not in err
+
+
 # ----------------------------------------------------------------------------- the command line and bad input
 
 def test_bad_input_from_the_shell_is_one_line_without_a_traceback(tmp_path):

@@ -267,7 +267,10 @@ def main(argv):
         sys.exit(message if master else 1)
 
     metrics, saved_iter = {}, resumed_from
-    bar = tqdm(total=cfg['max_iters'], initial=iter_num, disable=not master, dynamic_ncols=True, desc='train')
+    # a progress bar on a terminal; in a file (a sweep's or nohup's log) one plain line per log interval instead
+    terminal = sys.stderr.isatty()
+    bar = tqdm(total=cfg['max_iters'], initial=iter_num, disable=not master or not terminal, dynamic_ncols=True,
+               desc='train')
     t_start, train_time, logged_steps = time.time(), 0.0, 0
     try:
         while True:
@@ -326,6 +329,9 @@ def main(argv):
                 tok_s = logged_steps * tokens_per_iter / max(train_time, 1e-9)  # training steps only, not evaluation
                 train_time, logged_steps = 0.0, 0
                 bar.set_postfix(loss=f'{lossf:.4f}', tok_s=f'{tok_s:,.0f}')
+                if master and not terminal:
+                    print(f"iter {iter_num}/{cfg['max_iters']}: loss {lossf:.4f}, lr {lr:.2e}, {tok_s:,.0f} tokens/s",
+                          file=sys.stderr, flush=True)
                 log({'iter': iter_num, 'loss': lossf, 'lr': lr, 'tokens_per_s': tok_s})
     except KeyboardInterrupt:  # Ctrl-C: say where the run can go on from
         bar.close()
