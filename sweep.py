@@ -15,6 +15,12 @@ of the shared modules and the data order, so for each method and config the repo
 seed, the difference of its final validation loss to a reference method's (prenorm, and
 block_attnres), and gives their mean with a 95% confidence interval (Student t over the per-seed
 differences). An interval that excludes zero is a difference the seeds resolve.
+
+Equal time: where RESULTS/GRID/bench.json holds `python bench.py --json_path=...` at the grid's shape
+(each method's train-step time x prenorm's, measured isolated), the report adds, per method, the
+validation loss its own run had reached once it had used prenorm's total train time (its curve,
+interpolated at prenorm's steps / its step-time ratio; paired with prenorm's final loss, seed by
+seed) and the train time it needed to reach prenorm's final loss, x prenorm's.
 """
 import json
 import math
@@ -43,6 +49,12 @@ GRIDS = {
                    variants=[[f'--residual={r}', f'--learning_rate={lr}', f'--min_lr={lr / 10:g}']
                              for lr in (3e-3, 6e-3, 1e-2, 2e-2) for r in ('prenorm', 'block_attnres')],
                    seeds=[0]),
+    # the recipe for the next CPU study, chosen by its noise: prenorm and block_attnres, three seeds, at two
+    # recipes of cpu_methods' compute (3.3M characters) with a lower peak learning rate and a 4x larger
+    # validation set, one with twice the batch for half the steps (the committed cpu_methods runs are the third)
+    'pilot': dict(configs=[['config/cpu_methods.py', '--learning_rate=2e-3', '--min_lr=2e-4', '--warmup_iters=100',
+                            '--eval_tokens=131072', *recipe] for recipe in (['--batch_size=32', '--max_iters=800'], [])],
+                  variants=[[f'--residual={r}'] for r in ('prenorm', 'block_attnres')], seeds=[0, 1, 2]),
     # every registered method at one CPU config, three seeds (about 2 hours with --jobs=2 on 2 cores)
     'cpu_methods': dict(configs=[['config/cpu_methods.py']],
                         variants=[[f'--residual={r}'] for r in RESIDUALS], seeds=[0, 1, 2]),
@@ -154,7 +166,7 @@ def load_results(grid, results_dir):
     folder = os.path.join(results_dir, grid)
     order = {(r['group'], r['method'], r['seed']): k for k, r in enumerate(runs_of(grid, 'runs'))}
     results = [json.load(open(os.path.join(folder, name))) for name in sorted(os.listdir(folder))
-               if name.endswith('.json')] if os.path.isdir(folder) else []
+               if name.endswith('.json') and name != 'bench.json'] if os.path.isdir(folder) else []
     return sorted(results, key=lambda r: order.get((r['group'], r['method'], r['seed']), len(order)))
 
 
@@ -197,6 +209,58 @@ def comparisons(results, references=REFERENCES):
     return rows
 
 
+# ----------------------------------------------------------------------------- equal train time
+
+def step_ratios(grid, results_dir):
+    """Each method's train-step time x prenorm's, from the grid's bench.json (None without one)."""
+    path = os.path.join(results_dir, grid, 'bench.json')
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return {r['method']: r['ratio'] for r in json.load(f)['results']}
+
+
+def loss_at(curve, step):
+    """The validation loss of a curve {iter: loss} at a step, linear between evaluations; past the
+    run's end, None."""
+    points = sorted((int(i), v) for i, v in curve.items())
+    for (s0, v0), (s1, v1) in zip(points, points[1:]):
+        if s0 <= step <= s1:
+            return v0 + (v1 - v0) * (step - s0) / (s1 - s0)
+    return None
+
+
+def step_reaching(curve, target):
+    """The first step at which a curve {iter: loss} reaches target, linear between evaluations; None if never."""
+    points = sorted((int(i), v) for i, v in curve.items())
+    for (s0, v0), (s1, v1) in zip(points, points[1:]):
+        if v1 <= target:
+            return s0 + (s1 - s0) * (v0 - target) / (v0 - v1) if v0 > target else s0
+    return None
+
+
+def equal_time(results, ratios, reference='prenorm'):
+    """Per (config, method): the paired difference to the reference's final loss of the loss reached
+    at the reference's train time (mean, 95% half-width, seeds; None where a faster method's run
+    ended first), and the train time to the reference's final loss, x the reference's (mean over
+    seeds; None where a seed never got there)."""
+    runs = {(r['group'], r['method'], r['seed']): r for r in results}
+    out = {}
+    for (group, method, seed), r in runs.items():
+        ref = runs.get((group, reference, seed))
+        if ref is None or method == reference or method not in ratios:
+            continue
+        total = max(int(i) for i in ref['curve'])
+        at_time = loss_at(r['curve'], total / ratios[method] * ratios[reference])
+        reached = step_reaching(r['curve'], ref['final']['val_loss'])
+        entry = out.setdefault((group, method), {'diffs': [], 'times': []})
+        entry['diffs'].append(None if at_time is None else at_time - ref['final']['val_loss'])
+        entry['times'].append(None if reached is None else reached * ratios[method] / (total * ratios[reference]))
+    return {key: (paired(e['diffs']) + (len(e['diffs']),) if None not in e['diffs'] else None,
+                  statistics.mean(e['times']) if None not in e['times'] else None)
+            for key, e in out.items()}
+
+
 def verdict(mean, half):
     if half is None:
         return 'one seed'
@@ -212,9 +276,12 @@ def report(grid, runs_dir, results_dir):
     if not results:
         sys.exit(f"error: no results in {os.path.join(results_dir, grid)}; run `python sweep.py {grid}` first")
     rows = comparisons(results)
+    ratios = step_ratios(grid, results_dir)
+    timed = equal_time(results, ratios) if ratios else {}
     head = ' | '.join(f"vs {ref}: mean diff +- 95% CI" for ref in REFERENCES)
-    lines = [f"| config | method | seeds | val loss (nats) | bpc | {head} |",
-             '|---|---|---:|---:|---:|' + '---|' * len(REFERENCES)]
+    extra = " step time x prenorm | at prenorm's time: vs prenorm | time to prenorm's loss |" if ratios else ''
+    lines = [f"| config | method | seeds | val loss (nats) | bpc | {head} |" + extra,
+             '|---|---|---:|---:|---:|' + '---|' * len(REFERENCES) + ('---:|---|---:|' if ratios else '')]
     for row in rows:
         values = list(row['losses'].values())
         mean, std = statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
@@ -227,13 +294,23 @@ def report(grid, runs_dir, results_dir):
             diff, half, _ = row['versus'][ref]
             ci = f" +- {half:.4f}" if half is not None else ''
             cells.append(f"{diff:+.4f}{ci} ({verdict(diff, half)})")
+        if ratios:
+            cells.append(f"{ratios[row['method']]:.2f}" if row['method'] in ratios else '-')
+            at_time, to_loss = timed.get((row['group'], row['method']), (None, None))
+            cells.append('-' if at_time is None else f"{at_time[0]:+.4f}" + (
+                f" +- {at_time[1]:.4f} ({verdict(*at_time[:2])})" if at_time[1] is not None else ''))
+            cells.append('-' if to_loss is None else f"{to_loss:.2f}")
         lines.append(f"| {row['group']} | {row['method']} | {len(values)} | {mean:.4f} +- {std:.4f} | {bpc} | "
                      + ' | '.join(cells) + ' |')
     walls = [r['wall_s'] for r in results if r.get('wall_s')]
     note = ("\nFinal validation loss: mean +- sample standard deviation over seeds. Paired differences: the mean "
             "over seeds of (method - reference) with the half-width of its 95% confidence interval (Student t); "
             "'lower' or 'higher' where the interval excludes zero, 'unresolved' where it does not."
-            + (f" {len(walls)} runs, {sum(walls) / 3600:.2f} hours of run time in all." if walls else '') + '\n')
+            + (f" {len(walls)} runs, {sum(walls) / 3600:.2f} hours of run time in all." if walls else '')
+            + (" Equal time (bench.json): each method's train-step time x prenorm's; the loss its run had reached "
+               "at prenorm's total train time, paired with prenorm's final loss ('-' where its run ended first); "
+               "the train time it took to reach prenorm's final loss, x prenorm's ('-' where a seed never did)."
+               if ratios else '') + '\n')
     markdown = '\n'.join(lines) + '\n' + note
     out = os.path.join(results_dir, grid)
     with open(os.path.join(out, 'results.md'), 'w') as f:

@@ -165,6 +165,34 @@ def test_sweep_runs_a_grid_skips_finished_runs_resumes_interrupted_ones_and_repo
     assert sweep.report('tiny', runs_dir, results_dir) == markdown
 
 
+
+def test_sweep_report_at_equal_train_time(tmp_path, monkeypatch):
+    """With the grid's bench.json, the report adds each method's loss at prenorm's train time and its
+    time to prenorm's final loss, from the committed curves (values worked out by hand here)."""
+    monkeypatch.setitem(sweep.GRIDS, 'fake', dict(configs=[['c.py']], variants=[[f'--residual={m}'] for m in
+                                                                              ('prenorm', 'wav', 'hc')], seeds=[0, 1]))
+    folder = tmp_path / 'results' / 'fake'
+    folder.mkdir(parents=True)
+    curves = {('prenorm', 0): [3.0, 2.0, 1.0], ('prenorm', 1): [3.0, 2.0, 1.0], ('wav', 0): [3.0, 1.5, 0.8],
+              ('wav', 1): [3.0, 1.7, 0.9], ('hc', 0): [3.0, 1.0, 0.5], ('hc', 1): [3.0, 1.0, 0.5]}
+    for (method, seed), losses in curves.items():
+        result = dict(grid='fake', group='c', method=method, seed=seed, args=[], wall_s=1.0,
+                      final={'iter': 200, 'val_loss': losses[-1]}, curve={str(100 * k): v for k, v in enumerate(losses)})
+        (folder / f'c-{method}-seed{seed}.json').write_text(json.dumps(result))
+    bench = {'results': [{'method': 'prenorm', 'ratio': 1.0}, {'method': 'wav', 'ratio': 2.0},
+                         {'method': 'hc', 'ratio': 0.5}]}
+    (folder / 'bench.json').write_text(json.dumps(bench))
+    markdown = sweep.report('fake', str(tmp_path / 'runs'), str(tmp_path / 'results'))
+    wav = next(line for line in markdown.splitlines() if '| wav |' in line)
+    # prenorm's 200 steps take wav's run to step 100: 1.5 and 1.7 against 1.0; 1.0 is reached at steps
+    # 100 + 100 (0.5 / 0.7) and 100 + 100 (0.7 / 0.8), which take 2x prenorm's time per step
+    half = 12.706 * np.std([0.5, 0.7], ddof=1) / math.sqrt(2)
+    assert wav.endswith(f"| 2.00 | +0.6000 +- {half:.4f} (unresolved) | {(171.4286 + 187.5) / 200:.2f} |")
+    hc = next(line for line in markdown.splitlines() if '| hc |' in line)
+    assert hc.endswith('| 0.50 | - | 0.25 |')  # its run ended first; 1.0 at step 100, half prenorm's time a step
+    assert sweep.loss_at({'0': 3.0, '100': 2.0}, 150) is None and sweep.step_reaching({'0': 3.0, '100': 2.0}, 1.0) is None
+
+
 def test_activations_of_silent_sublayers_are_the_embedding_at_every_depth():
     """With every output projection at zero, every update is zero, so PreNorm's sublayers all read
     e itself: the recorded input RMS is RMS(e) at every depth, and max-abs likewise."""
