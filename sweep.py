@@ -49,11 +49,13 @@ GRIDS = {
                    variants=[[f'--residual={r}', f'--learning_rate={lr}', f'--min_lr={lr / 10:g}']
                              for lr in (3e-3, 6e-3, 1e-2, 2e-2) for r in ('prenorm', 'block_attnres')],
                    seeds=[0]),
-    # the recipe for the next CPU study, chosen by its noise: prenorm and block_attnres, three seeds, at two
-    # recipes of cpu_methods' compute (3.3M characters) with a lower peak learning rate and a 4x larger
-    # validation set, one with twice the batch for half the steps (the committed cpu_methods runs are the third)
-    'pilot': dict(configs=[['config/cpu_methods.py', '--learning_rate=2e-3', '--min_lr=2e-4', '--warmup_iters=100',
-                            '--eval_tokens=131072', *recipe] for recipe in (['--batch_size=32', '--max_iters=800'], [])],
+    # the recipe for the next CPU study, chosen by its noise: prenorm and block_attnres, three seeds, at three
+    # recipes of cpu_methods' compute (3.3M characters) with a longer warmup and a 4x larger validation set:
+    # lower peak learning rates, twice the batch for half the steps (the committed cpu_methods runs are the fourth)
+    'pilot': dict(configs=[['config/cpu_methods.py', f'--learning_rate={lr}', f'--min_lr={min_lr}', '--warmup_iters=100',
+                            '--eval_tokens=131072', *batch] for lr, min_lr, batch in
+                           (('2e-3', '2e-4', ['--batch_size=32', '--max_iters=800']), ('2e-3', '2e-4', []),
+                            ('4e-3', '4e-4', ['--batch_size=32', '--max_iters=800']))],
                   variants=[[f'--residual={r}'] for r in ('prenorm', 'block_attnres')], seeds=[0, 1, 2]),
     # every registered method at one CPU config, three seeds (about 2 hours with --jobs=2 on 2 cores)
     'cpu_methods': dict(configs=[['config/cpu_methods.py']],
