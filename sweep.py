@@ -57,6 +57,9 @@ GRIDS = {
                            (('2e-3', '2e-4', ['--batch_size=32', '--max_iters=800']), ('2e-3', '2e-4', []),
                             ('4e-3', '4e-4', ['--batch_size=32', '--max_iters=800']))],
                   variants=[[f'--residual={r}'] for r in ('prenorm', 'block_attnres')], seeds=[0, 1, 2]),
+    # every registered method on the pilot's recipe, five seeds (about 3 hours with --jobs=2 on 2 cores)
+    'cpu_study': dict(configs=[['config/cpu_study.py']], variants=[[f'--residual={r}'] for r in RESIDUALS],
+                      seeds=[0, 1, 2, 3, 4]),
     # every registered method at one CPU config, three seeds (about 2 hours with --jobs=2 on 2 cores)
     'cpu_methods': dict(configs=[['config/cpu_methods.py']],
                         variants=[[f'--residual={r}'] for r in RESIDUALS], seeds=[0, 1, 2]),
