@@ -7,6 +7,8 @@ Cost of every residual method against prenorm.
     python bench.py --config=deep --compile=True --compile_scope=sublayers   # regional: seconds to compile
     python bench.py --methods=mgr --mgr_fallback_p=-1   # MGR without the inverting backward
     python bench.py --config=gpt2 --kernels=triton      # on a GPU: GPT-2 small's shape, bf16
+    python bench.py --count_ops=True                    # operators per training step, exact, no timing
+    TRITON_INTERPRET=1 python bench.py --count_ops=True --kernels=triton --config=ops_deep  # on a CPU
 
 Each method runs in a process of its own beside its own prenorm (--isolate=False: all in one
 process): models that share a process slow each other down through the memory allocator, on a
@@ -16,7 +18,17 @@ Reports the median train-step time (forward + backward + AdamW step), tokens/s,
 the ratio to prenorm, parameters, the bytes that autograd saves for backward (activation memory,
 counted once per storage, parameters excluded; device-independent) and, on CUDA, peak memory.
 With --compile=True, the first step of each method (compilation included) is timed apart.
+
+--count_ops=True times nothing: it counts the operators that one training step's forward and
+backward dispatch (the optimizer's step left out, the same for every method), exactly and on any
+device. A compute operator is a kernel launch on a GPU (5-20 us of host time each in eager mode,
+which is where most of the routing's cost goes at small and medium shapes); a Triton kernel wrapped
+as a custom op counts once, the operators inside it not at all; a view launches nothing. It reports
+each method's extra compute operators per sublayer over prenorm's and its views as a multiple of
+prenorm's. With the Triton kernels on a CPU, set TRITON_INTERPRET=1 (the counts are the same as on
+a GPU; the interpreter is slow, hence the 16-token shapes 'ops' and 'ops_deep').
 """
+import contextlib
 import json
 import os
 import statistics
@@ -27,6 +39,7 @@ import time
 import weakref
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import configurator
 from kernels import resolve as resolve_kernels
@@ -43,6 +56,9 @@ CONFIGS = {
     # the CPU study's shape (config/cpu_methods.py), for sweep.py's equal-time columns:
     #   python bench.py --config=cpu_methods --json_path=results/cpu_methods/bench.json
     'cpu_methods': dict(n_layer=6, n_embd=96, n_head=4, block_size=128, batch_size=16),
+    # for --count_ops (the counts do not depend on the token count): 4 and 12 layers of width 64
+    'ops': dict(n_layer=4, n_embd=64, n_head=2, block_size=16, batch_size=1),
+    'ops_deep': dict(n_layer=12, n_embd=64, n_head=2, block_size=16, batch_size=1),
 }
 
 config = 'default'  # a key of CONFIGS
@@ -59,6 +75,7 @@ mgr_fallback_p = 1  # MGR's fast backward inverts the lerp, keeping p originals 
 seed = 0
 json_path = ''  # write the results here too
 isolate = True  # each method in its own process beside its own prenorm
+count_ops = False  # count the operators of one training step instead of timing (exact; see above)
 
 
 def saved_bytes(model, x, y):
@@ -79,6 +96,57 @@ def saved_bytes(model, x, y):
             storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     del loss
     return sum(storages.values())
+
+
+def is_view(op):
+    """An operator whose outputs alias its inputs without writing them (view, expand, t, unbind, ...)."""
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in op._schema.returns)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the operators dispatched while it is active, compute operators by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.compute, self.views = {}, 0
+
+    def __torch_dispatch__(self, op, types, args=(), kwargs=None):
+        if is_view(op):
+            self.views += 1
+        else:
+            self.compute[str(op)] = self.compute.get(str(op), 0) + 1
+        return op(*args, **(kwargs or {}))  # the ops inside run with this mode off: a custom op counts once
+
+
+def operator_counts(name, shape, B, x, y, dev, ctx, backend, cfg):
+    """The operators of one forward and backward of a model of this method (after one untimed step,
+    so that nothing lazy is counted)."""
+    torch.manual_seed(cfg['seed'])
+    model = GPT(GPTConfig(**shape, vocab_size=cfg['vocab_size'], residual=name)).to(dev)
+    model.set_kernels(backend, cfg['mgr_fallback_p'])
+    for counter in (contextlib.nullcontext(), OpCounter()):
+        model.zero_grad(set_to_none=True)
+        with ctx, counter:
+            _, loss = model(x, y)
+        with counter:
+            loss.backward()
+    return dict(method=name, compute=sum(counter.compute.values()), views=counter.views, ops=counter.compute)
+
+
+def report_ops(results, cfg, shape, backend):
+    """The routing's extra operators per sublayer, over prenorm's (the first row)."""
+    base, sublayers = results[0], 2 * shape['n_layer']
+    print(f"\noperators per training step (forward + backward), kernels={backend}, {sublayers} sublayers")
+    print(f"{'method':<14} {'compute':>8} {'views':>7} {'+compute/sublayer':>18} {'views x prenorm':>16}")
+    for r in results:
+        r['extra_per_sublayer'] = (r['compute'] - base['compute']) / sublayers
+        r['views_ratio'] = r['views'] / base['views']
+        print(f"{r['method']:<14} {r['compute']:>8} {r['views']:>7} {r['extra_per_sublayer']:>+18.1f} "
+              f"{r['views_ratio']:>16.2f}")
+    if cfg['json_path']:
+        with open(cfg['json_path'], 'w') as f:
+            json.dump({'config': cfg, 'shape': shape, 'kernels': backend, 'torch': torch.__version__,
+                       'results': results}, f, indent=1)
 
 
 def main(argv):
@@ -107,8 +175,13 @@ def main(argv):
     print(f"bench: {cfg['config']} {shape}, batch {B}, on {dev} {dtype_name}, compile={cfg['compile']} "
           f"({cfg['compile_scope']}), "
           f"kernels={backend}, mgr_fallback_p={cfg['mgr_fallback_p']}, "
-          f"{cfg['warmup']} warm-up + {cfg['steps']} timed steps each, {torch.get_num_threads()} threads")
+          + ("counting operators" if cfg['count_ops'] else
+             f"{cfg['warmup']} warm-up + {cfg['steps']} timed steps each, {torch.get_num_threads()} threads"))
 
+    if cfg['count_ops']:
+        results = [operator_counts(name, shape, B, x, y, dev, ctx, backend, cfg) for name in names]
+        report_ops(results, cfg, shape, backend)
+        return results
     if cfg['isolate'] and len(names) > 2:
         results = isolated(argv, names[1:])
     else:
