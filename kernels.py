@@ -22,7 +22,14 @@ backward. The sources are never stacked.
 
 Two-phase reads (the AttnRes paper's schedule): the queries of a block (or of a chunk of about
 sqrt(L) sublayers for Full and Delta AttnRes) read the finished sources in one pass; each sublayer
-then merges the sources of its own block by an online softmax (the log-sum-exp of the first pass).
+then reads the sources of its own block with its phase-1 row (mixed, lse) as the online softmax's
+starting state, in the same kernel: one launch per read, forward and backward. The queries and
+WAV's biases are split or gathered once per forward, so that no read indexes a parameter (each
+index would cost a full-size zero gradient and a copy in the backward). `python bench.py
+--count_ops=True` counts the operators (GPU launches) one training step dispatches; a test pins them.
+
+Precision: every path computes at its inputs' precision, upcasting half precision only; float64
+stays float64 (the Triton kernels too), so the tests hold every fast path to its class in float64.
 
 HC and mHC-lite keep n copies of the stream; plain autograd saves them at every sublayer (2.1-2.7x
 prenorm's activation memory). The twin keeps only each segment's input streams, the sublayers'
@@ -45,7 +52,7 @@ MUDD's, over a buffer laid out token by token), forward and backward.
 import functools
 import math
 import os
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -121,25 +128,33 @@ class DepthMix(torch.autograd.Function):
     """m queries read a list of S sources: sum_s softmax_s(q_j . RMSNorm(v_s) + b_js) v_s, with a
     hand-written backward. queries (m, C), bias (m, S) or None -> mixed (m, B, T, C), lse (m, B, T).
 
-    lse_j = logsumexp_s l_js lets a caller merge more sources later with an online softmax. It works
-    one source at a time and saves per-token statistics (1/RMS per source, lse per query: the weights
-    are recomputed in the backward) and references to the sources, never a stacked copy (with plain
-    autograd, Full AttnRes keeps an (S, B, T, C) stack per sublayer: L^2 memory; on CPU, passes over
-    such stacks also cost 3x the time).
+    lse_j = logsumexp_s l_js lets a caller merge more sources later with an online softmax, and a
+    `prior` (mixed_0 (m, B, T, C), lse_0 (m, B, T)) of sources read before is merged here: it counts
+    as one more source with value mixed_0 and logit lse_0 (the AttnRes paper's phase 2 in the same
+    pass). It works one source at a time and saves per-token statistics (1/RMS per source, lse per
+    query: the weights are recomputed in the backward) and references to the sources, never a
+    stacked copy (with plain autograd, Full AttnRes keeps an (S, B, T, C) stack per sublayer: L^2
+    memory; on CPU, passes over such stacks also cost 3x the time).
     With r_s = 1/RMS(v_s), l_js = r_s v_s.q_j + b_js, w = softmax_s(l), out_j = sum_s w_js v_s and
     g_j, h_j the gradients of out_j and lse_j: dl_js = w_js (g_j.v_s - g_j.out_j + h_j), and
-    dv_s = sum_j [w_js g_j + dl_js r_s q_j - dl_js r_s^2 (r_s v_s.q_j) v_s / C]."""
+    dv_s = sum_j [w_js g_j + dl_js r_s q_j - dl_js r_s^2 (r_s v_s.q_j) v_s / C]; the prior gets
+    d lse_0 = w_0 (g.mixed_0 - g.out + h) and d mixed_0 = w_0 g."""
 
     @staticmethod
-    def forward(ctx, queries, bias, *sources):
+    def forward(ctx, queries, bias, prior_mixed, prior_lse, *sources):
         values = [upcast(v) for v in sources]
         rinv = torch.stack([rms_inverse(v) for v in values])  # r_s (S, B, T)
         scores, logits = DepthMix.logits(queries, bias, values, rinv)
         lse = torch.logsumexp(logits, dim=1)
+        if prior_lse is not None:
+            lse = torch.logaddexp(lse, prior_lse)
         weights = torch.exp(logits - lse.unsqueeze(1))
-        mixed = weighted_sum(weights, values).to(functools.reduce(torch.promote_types, [v.dtype for v in sources]))
-        ctx.save_for_backward(queries, bias, rinv, lse, *sources)
-        return mixed, lse
+        mixed = weighted_sum(weights, values)
+        if prior_mixed is not None:
+            mixed.addcmul_(torch.exp(prior_lse - lse).unsqueeze(-1), upcast(prior_mixed))
+        ctx.save_for_backward(queries, bias, prior_mixed, prior_lse, rinv, lse, *sources)
+        ctx.set_materialize_grads(False)  # an unused lse gets no gradient, rather than a tensor of zeros
+        return mixed.to(common_dtype(sources if prior_mixed is None else [*sources, prior_mixed])), lse
 
     @staticmethod
     def logits(queries, bias, values, rinv):
@@ -150,14 +165,23 @@ class DepthMix(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_mixed, grad_lse):
-        queries, bias, rinv, lse, *sources = ctx.saved_tensors
+        queries, bias, prior_mixed, prior_lse, rinv, lse, *sources = ctx.saved_tensors
+        if grad_mixed is None:  # only lse was used
+            grad_mixed = lse.new_zeros((len(queries),) + sources[0].shape)
         g, q, values = upcast(grad_mixed), upcast(queries), [upcast(v) for v in sources]
+        h = 0 if grad_lse is None else upcast(grad_lse)
         m, C = q.shape
         scores, logits = DepthMix.logits(queries, bias, values, rinv)
         weights = torch.exp(logits - lse.unsqueeze(1))
         grad_weights = torch.stack([torch.einsum('btc,mbtc->mbt', v, g) for v in values], dim=1)  # g_j . v_s
-        grad_logits = weights * (grad_weights - (weights * grad_weights).sum(1, keepdim=True)
-                                 + grad_lse.unsqueeze(1))
+        g_out = (weights * grad_weights).sum(1, keepdim=True)  # g_j . out_j
+        if prior_mixed is not None:
+            prior_weight = torch.exp(prior_lse - lse)
+            g_prior = torch.einsum('mbtc,mbtc->mbt', upcast(prior_mixed), g)
+            g_out = g_out + (prior_weight * g_prior).unsqueeze(1)
+            d_lse = prior_weight * (g_prior - g_out[:, 0] + h)
+            grad_prior = (prior_weight.unsqueeze(-1) * g).to(prior_mixed.dtype), d_lse.to(prior_lse.dtype)
+        grad_logits = weights * (grad_weights - g_out + (h if grad_lse is None else h.unsqueeze(1)))
         scaled = grad_logits * rinv  # dl_js r_s
         along_value = (scaled * rinv * scores).sum(0) / C
         grad_queries, grad_values = torch.zeros_like(q), []
@@ -169,63 +193,87 @@ class DepthMix(torch.autograd.Function):
             grad_queries.addmm_(scaled[:, s].reshape(m, -1), v.reshape(-1, C))
             grad_values.append(grad.to(sources[s].dtype))
         grad_bias = grad_logits.sum(dim=(2, 3)) if bias is not None else None
-        return (grad_queries.to(queries.dtype), grad_bias, *grad_values)
+        return (grad_queries.to(queries.dtype), grad_bias, *(grad_prior if prior_mixed is not None else (None, None)),
+                *grad_values)
 
 
-def depth_mix(queries, bias, sources, backend):
-    """m queries (m, C) read S sources (B, T, C), bias (m, S) or None -> mixed (m, B, T, C), lse (m, B, T)."""
+def depth_mix(queries, bias, sources, backend, prior=None):
+    """m queries (m, C) read S sources (B, T, C), bias (m, S) or None, merged with a prior (mixed, lse)
+    of sources read before, or None -> mixed (m, B, T, C), lse (m, B, T)."""
+    prior_mixed, prior_lse = (None, None) if prior is None else prior
     if backend == 'triton':
-        return triton_depth_mix(queries, bias, list(sources))
-    return DepthMix.apply(queries, bias, *sources)
+        return _triton_depth_mix(queries, bias, list(sources), prior_mixed, prior_lse)
+    return DepthMix.apply(queries, bias, prior_mixed, prior_lse, *sources)
 
 if triton is not None:
     @triton.jit
-    def _depth_mix_fwd(table, Q, BIAS, OUT, LSE, S, M, N, C, eps, BM: tl.constexpr, BC: tl.constexpr):
+    def _depth_mix_fwd(table, Q, BIAS, PRIOR, PRIOR_LSE, OUT, LSE, S, M, N, C, eps, HAS_BIAS: tl.constexpr,
+                       HAS_PRIOR: tl.constexpr, ACC: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         rows, cols = tl.arange(0, BM), tl.arange(0, BC)
         rmask, cmask = rows < M, cols < C
         mask = rmask[:, None] & cmask[None, :]
-        q = tl.load(Q + rows[:, None] * C + cols[None, :], mask=mask, other=0.).to(tl.float32)
-        run_max = tl.full((BM,), float('-inf'), tl.float32)
-        run_sum = tl.zeros((BM,), tl.float32)
-        acc = tl.zeros((BM, BC), tl.float32)
+        at = rows[:, None] * N * C + t * C + cols[None, :]
+        q = tl.load(Q + rows[:, None] * C + cols[None, :], mask=mask, other=0.).to(ACC)
+        if HAS_PRIOR:  # the sources read before: one more source, with its log-sum-exp as its logit
+            run_max = tl.load(PRIOR_LSE + rows * N + t, mask=rmask, other=0.).to(ACC)
+            run_sum = tl.full((BM,), 1., ACC)
+            acc = tl.load(PRIOR + at, mask=mask, other=0.).to(ACC)
+        else:
+            run_max = tl.full((BM,), float('-inf'), ACC)
+            run_sum = tl.zeros((BM,), ACC)
+            acc = tl.zeros((BM, BC), ACC)
         for s in range(S):  # online softmax over the sources: each is read once
             v_ptr = tl.load(table + s).to(tl.pointer_type(OUT.dtype.element_ty))
-            v = tl.load(v_ptr + t * C + cols, mask=cmask, other=0.).to(tl.float32)
-            r = tl.rsqrt(tl.sum(v * v, axis=0) / C + eps)
-            logit = r * tl.sum(q * v[None, :], axis=1) + tl.load(BIAS + rows * S + s, mask=rmask, other=0.)
+            v = tl.load(v_ptr + t * C + cols, mask=cmask, other=0.).to(ACC)
+            r = 1 / tl.sqrt(tl.sum(v * v, axis=0) / C + eps)
+            logit = r * tl.sum(q * v[None, :], axis=1)
+            if HAS_BIAS:
+                logit += tl.load(BIAS + rows * S + s, mask=rmask, other=0.).to(ACC)
             new_max = tl.maximum(run_max, logit)
             old, p = tl.exp(run_max - new_max), tl.exp(logit - new_max)
             run_sum = run_sum * old + p
             acc = acc * old[:, None] + p[:, None] * v[None, :]
             run_max = new_max
         mixed = acc / run_sum[:, None]
-        tl.store(OUT + rows[:, None] * N * C + t * C + cols[None, :], mixed.to(OUT.dtype.element_ty), mask=mask)
+        tl.store(OUT + at, mixed.to(OUT.dtype.element_ty), mask=mask)
         tl.store(LSE + rows * N + t, run_max + tl.log(run_sum), mask=rmask)
 
     @triton.jit
-    def _depth_mix_bwd(table, grad_table, Q, BIAS, OUT, LSE, G, GLSE, DQ, DB, S, M, N, C, eps,
-                       BM: tl.constexpr, BC: tl.constexpr, BS: tl.constexpr):
+    def _depth_mix_bwd(table, grad_table, Q, BIAS, PRIOR, PRIOR_LSE, OUT, LSE, G, GLSE, DQ, DB, D_PRIOR,
+                       D_PRIOR_LSE, S, M, N, C, eps, HAS_BIAS: tl.constexpr, HAS_PRIOR: tl.constexpr,
+                       HAS_GLSE: tl.constexpr, ACC: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr,
+                       BS: tl.constexpr):
         pid, programs = tl.program_id(0), tl.num_programs(0)
         rows, cols, srcs = tl.arange(0, BM), tl.arange(0, BC), tl.arange(0, BS)
         rmask, cmask = rows < M, cols < C
         mask = rmask[:, None] & cmask[None, :]
-        q = tl.load(Q + rows[:, None] * C + cols[None, :], mask=mask, other=0.).to(tl.float32)
-        dq = tl.zeros((BM, BC), tl.float32)
-        db = tl.zeros((BM, BS), tl.float32)
+        q = tl.load(Q + rows[:, None] * C + cols[None, :], mask=mask, other=0.).to(ACC)
+        dq = tl.zeros((BM, BC), ACC)
+        db = tl.zeros((BM, BS), ACC)
         for token in range(pid, N, programs):
             t = pid.to(tl.int64) + (token - pid)  # int64 offsets (the interpreter yields Python ints here)
             at = rows[:, None] * N * C + t * C + cols[None, :]
-            g = tl.load(G + at, mask=mask, other=0.).to(tl.float32)
-            g_out = tl.sum(g * tl.load(OUT + at, mask=mask, other=0.).to(tl.float32), axis=1)
-            g_lse = tl.load(GLSE + rows * N + t, mask=rmask, other=0.)
-            lse = tl.load(LSE + rows * N + t, mask=rmask, other=0.)
+            g = tl.load(G + at, mask=mask, other=0.).to(ACC)
+            g_out = tl.sum(g * tl.load(OUT + at, mask=mask, other=0.).to(ACC), axis=1)
+            g_lse = tl.zeros((BM,), ACC)
+            if HAS_GLSE:
+                g_lse = tl.load(GLSE + rows * N + t, mask=rmask, other=0.).to(ACC)
+            lse = tl.load(LSE + rows * N + t, mask=rmask, other=0.).to(ACC)
+            if HAS_PRIOR:
+                prior = tl.load(PRIOR + at, mask=mask, other=0.).to(ACC)
+                w = tl.where(rmask, tl.exp(tl.load(PRIOR_LSE + rows * N + t, mask=rmask, other=0.).to(ACC) - lse), 0.)
+                tl.store(D_PRIOR + at, (w[:, None] * g).to(D_PRIOR.dtype.element_ty), mask=mask)
+                tl.store(D_PRIOR_LSE + rows * N + t, (w * (tl.sum(g * prior, axis=1) - g_out + g_lse)).to(
+                    D_PRIOR_LSE.dtype.element_ty), mask=rmask)
             for s in range(S):
                 v_ptr = tl.load(table + s).to(tl.pointer_type(OUT.dtype.element_ty))
-                v = tl.load(v_ptr + t * C + cols, mask=cmask, other=0.).to(tl.float32)
-                r = tl.rsqrt(tl.sum(v * v, axis=0) / C + eps)
+                v = tl.load(v_ptr + t * C + cols, mask=cmask, other=0.).to(ACC)
+                r = 1 / tl.sqrt(tl.sum(v * v, axis=0) / C + eps)
                 score = r * tl.sum(q * v[None, :], axis=1)
-                logit = score + tl.load(BIAS + rows * S + s, mask=rmask, other=0.)
+                logit = score
+                if HAS_BIAS:
+                    logit += tl.load(BIAS + rows * S + s, mask=rmask, other=0.).to(ACC)
                 w = tl.where(rmask, tl.exp(logit - lse), 0.)
                 dl = w * (tl.sum(g * v[None, :], axis=1) - g_out + g_lse)  # d loss / d logit
                 dv = (tl.sum(w[:, None] * g, axis=0) + r * tl.sum(dl[:, None] * q, axis=0)
@@ -233,85 +281,117 @@ if triton is not None:
                 dv_ptr = tl.load(grad_table + s).to(tl.pointer_type(OUT.dtype.element_ty))
                 tl.store(dv_ptr + t * C + cols, dv.to(OUT.dtype.element_ty), mask=cmask)
                 dq += (dl * r)[:, None] * v[None, :]
-                db += tl.where(srcs[None, :] == s, dl[:, None], 0.)
+                if HAS_BIAS:
+                    db += tl.where(srcs[None, :] == s, dl[:, None], 0.)
         tl.store(DQ + pid * M * C + rows[:, None] * C + cols[None, :], dq, mask=mask)
-        tl.store(DB + pid * M * S + rows[:, None] * S + srcs[None, :], db, mask=rmask[:, None] & (srcs[None, :] < S))
+        if HAS_BIAS:
+            tl.store(DB + pid * M * S + rows[:, None] * S + srcs[None, :], db, mask=rmask[:, None] & (srcs[None, :] < S))
 
 
 def _address_table(tensors):
     return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=tensors[0].device)
 
 
-def triton_depth_mix(queries, bias, sources):
-    """DepthMix in Triton: queries (m, C), bias (m, S) or None, a list of S sources
-    (B, T, C) -> mixed (m, B, T, C), lse (m, B, T) float32. A missing bias is passed as zeros."""
-    if bias is None:
-        bias = queries.new_zeros((queries.shape[0], len(sources)), dtype=torch.float32)
-    return _triton_depth_mix(queries, bias, list(sources))
+def accumulator(dtype):
+    """The precision a kernel computes in for inputs of `dtype`: float64 for float64, else float32
+    (half precision upcast, as upcast() does): (torch dtype, triton dtype)."""
+    return (torch.float64, tl.float64) if dtype == torch.float64 else (torch.float32, tl.float32)
+
+
+def triton_depth_mix(queries, bias, sources, prior=None):
+    """DepthMix in Triton: queries (m, C), bias (m, S) or None, a list of S sources (B, T, C), a prior
+    (mixed, lse) or None -> mixed (m, B, T, C), lse (m, B, T) (float32, or float64 for float64 sources)."""
+    return _triton_depth_mix(queries, bias, list(sources), *((None, None) if prior is None else prior))
 
 
 def common_dtype(sources):
     return functools.reduce(torch.promote_types, [v.dtype for v in sources])
 
 
-def promoted(sources):
+def promoted(sources, dtype):
     """The kernels read every source through one pointer type, so sources of mixed dtypes (under
     autocast: e float32, updates bfloat16) are promoted, as torch.stack does: temporary copies
     inside each op, so that autograd keeps the sources themselves, not their copies."""
-    dtype = common_dtype(sources)
     return [v.to(dtype).contiguous() for v in sources]
 
 
+def _mix_dtype(sources, prior_mixed):
+    return common_dtype(sources if prior_mixed is None else [*sources, prior_mixed])
+
+
 @torch.library.custom_op('resroute::depth_mix', mutates_args=())
-def _triton_depth_mix(queries: Tensor, bias: Tensor, sources: List[Tensor]) -> Tuple[Tensor, Tensor]:
-    sources = promoted(sources)
+def _triton_depth_mix(queries: Tensor, bias: Optional[Tensor], sources: List[Tensor], prior_mixed: Optional[Tensor],
+                      prior_lse: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    dtype = _mix_dtype(sources, prior_mixed)
+    acc, acc_tl = accumulator(dtype)
+    sources = promoted(sources, dtype)
     (m, C), S, N = queries.shape, len(sources), sources[0].numel() // queries.shape[1]
     mixed = sources[0].new_empty((m,) + sources[0].shape)
-    lse = torch.empty((m,) + sources[0].shape[:-1], device=queries.device, dtype=torch.float32)
-    _depth_mix_fwd[(N,)](_address_table(sources), queries.contiguous(), bias.float().contiguous(), mixed, lse,
-                         S, m, N, C, RMS_EPS, BM=next_pow2(m), BC=next_pow2(C))
+    lse = torch.empty((m,) + sources[0].shape[:-1], device=queries.device, dtype=acc)
+    _depth_mix_fwd[(N,)](_address_table(sources), queries.contiguous(), bias if bias is None else bias.contiguous(),
+                         prior_mixed if prior_mixed is None else prior_mixed.contiguous(),
+                         prior_lse if prior_lse is None else prior_lse.contiguous(), mixed, lse,
+                         S, m, N, C, RMS_EPS, HAS_BIAS=bias is not None, HAS_PRIOR=prior_mixed is not None,
+                         ACC=acc_tl, BM=next_pow2(m), BC=next_pow2(C))
     return mixed, lse
 
 
 @_triton_depth_mix.register_fake
-def _(queries, bias, sources):
-    m, shape = queries.shape[0], sources[0].shape
-    return (sources[0].new_empty((m,) + shape, dtype=common_dtype(sources)),
-            queries.new_empty((m,) + shape[:-1], dtype=torch.float32))
+def _(queries, bias, sources, prior_mixed, prior_lse):
+    m, shape, dtype = queries.shape[0], sources[0].shape, _mix_dtype(sources, prior_mixed)
+    return (sources[0].new_empty((m,) + shape, dtype=dtype),
+            queries.new_empty((m,) + shape[:-1], dtype=accumulator(dtype)[0]))
 
 
 @torch.library.custom_op('resroute::depth_mix_backward', mutates_args=())
-def _triton_depth_mix_backward(queries: Tensor, bias: Tensor, sources: List[Tensor], mixed: Tensor, lse: Tensor,
-                               grad_mixed: Tensor, grad_lse: Tensor) -> Tuple[Tensor, Tensor, List[Tensor]]:
+def _triton_depth_mix_backward(queries: Tensor, bias: Optional[Tensor], sources: List[Tensor],
+                               prior_mixed: Optional[Tensor], prior_lse: Optional[Tensor], mixed: Tensor, lse: Tensor,
+                               grad_mixed: Tensor, grad_lse: Optional[Tensor]) -> Tuple[Tensor, List[Tensor], List[Tensor]]:
+    """The gradients of the queries, of the sources, and of the bias and the prior where given."""
     dtypes = [v.dtype for v in sources]
-    sources = promoted(sources)
+    sources = promoted(sources, mixed.dtype)
+    acc, acc_tl = accumulator(mixed.dtype)
     (m, C), S, N = queries.shape, len(sources), mixed[0].numel() // queries.shape[1]
     grads = [torch.empty_like(v) for v in sources]
     programs = reduction_programs(N)
-    dq = torch.empty((programs, m, C), device=mixed.device, dtype=torch.float32)
-    db = torch.empty((programs, m, S), device=mixed.device, dtype=torch.float32)
+    dq = torch.empty((programs, m, C), device=mixed.device, dtype=acc)
+    db = torch.empty((programs, m, S), device=mixed.device, dtype=acc) if bias is not None else None
+    has_prior = prior_mixed is not None
+    d_prior = torch.empty_like(prior_mixed) if has_prior else None
+    d_prior_lse = torch.empty_like(prior_lse) if has_prior else None
     _depth_mix_bwd[(programs,)](_address_table(sources), _address_table(grads), queries.contiguous(),
-                                bias.float().contiguous(), mixed, lse, grad_mixed.contiguous(),
-                                grad_lse.float().contiguous(), dq, db, S, m, N, C, RMS_EPS,
+                                bias if bias is None else bias.contiguous(),
+                                prior_mixed if prior_mixed is None else prior_mixed.contiguous(),
+                                prior_lse if prior_lse is None else prior_lse.contiguous(), mixed, lse,
+                                grad_mixed.contiguous(), grad_lse if grad_lse is None else grad_lse.contiguous(),
+                                dq, db, d_prior, d_prior_lse, S, m, N, C, RMS_EPS, HAS_BIAS=bias is not None,
+                                HAS_PRIOR=has_prior, HAS_GLSE=grad_lse is not None, ACC=acc_tl,
                                 BM=next_pow2(m), BC=next_pow2(C), BS=next_pow2(S))
-    return dq.sum(0).to(queries.dtype), db.sum(0).to(bias.dtype), [g.to(t) for g, t in zip(grads, dtypes)]
+    extra = ([] if db is None else [db.sum(0).to(bias.dtype)]) + ([d_prior, d_prior_lse] if has_prior else [])
+    return dq.sum(0).to(queries.dtype), [g.to(t) for g, t in zip(grads, dtypes)], extra
 
 
 @_triton_depth_mix_backward.register_fake
-def _(queries, bias, sources, mixed, lse, grad_mixed, grad_lse):
-    return torch.empty_like(queries), torch.empty_like(bias), [torch.empty_like(v) for v in sources]
+def _(queries, bias, sources, prior_mixed, prior_lse, mixed, lse, grad_mixed, grad_lse):
+    extra = [t for t in (bias, prior_mixed, prior_lse) if t is not None]
+    return torch.empty_like(queries), [torch.empty_like(v) for v in sources], [torch.empty_like(t) for t in extra]
 
 
 def _depth_mix_setup(ctx, inputs, output):
-    queries, bias, sources = inputs
-    ctx.save_for_backward(queries, bias, *output, *sources)
+    queries, bias, sources, prior_mixed, prior_lse = inputs
+    ctx.save_for_backward(queries, bias, prior_mixed, prior_lse, *output, *sources)
+    ctx.set_materialize_grads(False)  # an unused lse gets no gradient, rather than a tensor of zeros
 
 
 def _depth_mix_grads(ctx, grad_mixed, grad_lse):
-    queries, bias, mixed, lse, *sources = ctx.saved_tensors
-    grad_mixed = torch.zeros_like(mixed) if grad_mixed is None else grad_mixed
-    grad_lse = torch.zeros_like(lse) if grad_lse is None else grad_lse
-    return _triton_depth_mix_backward(queries, bias, sources, mixed, lse, grad_mixed, grad_lse)
+    queries, bias, prior_mixed, prior_lse, mixed, lse, *sources = ctx.saved_tensors
+    if grad_mixed is None:  # only lse was used
+        grad_mixed = torch.zeros_like(mixed)
+    dq, grads, extra = _triton_depth_mix_backward(queries, bias, sources, prior_mixed, prior_lse, mixed, lse,
+                                                  grad_mixed, grad_lse)
+    extra = iter(extra)
+    db = next(extra) if bias is not None else None
+    return dq, db, grads, next(extra, None), next(extra, None)
 
 
 _triton_depth_mix.register_autograd(_depth_mix_grads, setup_context=_depth_mix_setup)
@@ -320,38 +400,42 @@ _triton_depth_mix.register_autograd(_depth_mix_grads, setup_context=_depth_mix_s
 # ----------------------------------------------------------------------------- the AttnRes family's schedules
 
 def read_many(queries, sources, bias, backend):
-    """Phase 1: the queries (m, C) read the same sources in one pass -> m rows (mixed, lse). Unbound
-    once: indexing row k of the whole tensor would give every row's backward a zero gradient of the
-    whole size."""
+    """Phase 1: the queries (m, C) read the same sources in one pass -> m rows (mixed (1, B, T, C),
+    lse (1, B, T)). Split once: indexing row k of the whole tensor would give every row's backward a
+    zero gradient of the whole size."""
     mixed, lse = depth_mix(queries, bias, sources, backend)
-    return list(zip(mixed.unbind(0), lse.unbind(0)))
+    return list(zip(mixed.split(1), lse.split(1)))
 
 
 def read_on(row, query, more, bias, backend):
     """Phase 2: a phase-1 row (mixed, lse) merged, by an online softmax, with further sources that
-    this query alone reads (bias: one per source, or None)."""
-    mixed, lse = row
-    if not more:
-        return mixed
-    (more_mixed, more_lse), = read_many(query[None], more, None if bias is None else bias[None], backend)
-    total = torch.logaddexp(lse, more_lse)
-    old, new = torch.exp(lse - total).unsqueeze(-1), torch.exp(more_lse - total).unsqueeze(-1)
-    return old.to(mixed.dtype) * mixed + new.to(mixed.dtype) * more_mixed
+    this query (1, C) alone reads (bias (1, S) or None), in the same kernel that reads them -> (B, T, C)."""
+    mixed = depth_mix(query, bias, more, backend, row)[0] if more else row[0]
+    return mixed.view(mixed.shape[1:])  # (a view, not [0]: indexing would cost a zero tensor and a copy in the backward)
 
 
 def read_all(query, sources, bias, backend):
-    """One query reads all the sources (the output mixers)."""
-    return read_many(query[None], sources, None if bias is None else bias[None], backend)[0][0]
+    """One query (1, C) reads all the sources (the output mixers) -> (B, T, C)."""
+    mixed = depth_mix(query, bias, sources, backend)[0]
+    return mixed.view(mixed.shape[1:])
+
+
+def rows_of(queries, start, m):
+    """The queries of sublayers start..start+m-1 as one (m, C) tensor for a phase-1 read; `queries`
+    are the parameter's rows (1, C), split once per forward: one gradient node for them all, where
+    indexing the parameter would give each read a full-size zero gradient."""
+    return torch.cat(queries[start:start + m]) if m > 1 else queries[start]
 
 
 def chunked(queries, e, L, backend, step):
     """Full AttnRes's reads in chunks of about sqrt(L) sublayers: the chunk's queries read the
-    finished sources in one pass, and each merges the chunk's own fresh updates. step(i, read) runs
-    sublayer i on its read and returns its update. Returns the sources e, u_0, ..., u_{L-1}."""
+    finished sources in one pass, and each merges the chunk's own fresh updates. queries: rows;
+    step(i, read) runs sublayer i on its read and returns its update. Returns the sources e, u_0, ...,
+    u_{L-1}."""
     sources, chunk = [e], max(1, math.isqrt(L))
     for start in range(0, L, chunk):
         m = min(chunk, L - start)
-        finished, fresh = read_many(queries[start:start + m], sources, None, backend), []
+        finished, fresh = read_many(rows_of(queries, start, m), sources, None, backend), []
         for k in range(m):
             fresh.append(step(start + k, read_on(finished[k], queries[start + k], fresh, None, backend)))
         sources = sources + fresh
@@ -360,29 +444,31 @@ def chunked(queries, e, L, backend, step):
 
 def attnres(module, x, sublayers, backend, mgr_fallback_p):
     """Full AttnRes, chunked; the output mixer reads every source."""
-    queries, L = module.read.queries, len(sublayers)
+    queries, L = module.read.queries.split(1), len(sublayers)
     sources = chunked(queries, x, L, backend, lambda i, read: sublayers[i](read))
     return read_all(queries[L], sources, None, backend)
 
 
 def delta_attnres(module, x, sublayers, backend, mgr_fallback_p):
     """Delta AttnRes with Full AttnRes's chunked reads of the deltas; x is the PreNorm stream."""
+    gates = torch.sigmoid(module.gate_logit).unbind(0)
+
     def step(i, read):
         nonlocal x
-        u = sublayers[i](x + torch.sigmoid(module.gate_logit[i]) * read)
+        u = sublayers[i](x + gates[i] * read)
         x = x + u
         return u
-    chunked(module.read.queries, x, len(sublayers), backend, step)
+    chunked(module.read.queries.split(1), x, len(sublayers), backend, step)
     return x
 
 
 def block_attnres(module, x, sublayers, backend, mgr_fallback_p):
     """Block AttnRes in two phases: the queries of a block read e and the finished block sums in one
     pass; each then merges the block's partial sum PC, once the block has begun."""
-    queries, L, sources = module.read.queries, len(sublayers), [x]
+    queries, L, sources = module.read.queries.split(1), len(sublayers), [x]
     for start in range(0, L, module.block_len):
         m = min(module.block_len, L - start)
-        finished, partial = read_many(queries[start:start + m], sources, None, backend), None
+        finished, partial = read_many(rows_of(queries, start, m), sources, None, backend), None
         for k in range(m):
             h = read_on(finished[k], queries[start + k], [] if partial is None else [partial], None, backend)
             u = sublayers[start + k](h)
@@ -391,41 +477,76 @@ def block_attnres(module, x, sublayers, backend, mgr_fallback_p):
     return read_all(queries[L], sources, None, backend)
 
 
-def detail_bias(module, i, types):
-    """WAV's per-source bias for query i (an index or a slice of queries): 0 for type -1 (e, a block
-    sum, PC), detail_bias[i, d] for a detail of type d."""
-    padded = F.pad(module.detail_bias[i], (1, 0))
-    return padded[..., torch.tensor(types, device=padded.device) + 1]
+def wav_plan(module, L):
+    """The types of the sources of every read of one WAV forward (-1: e, a block sum or PC; d >= 0: a
+    detail of type d): per block (start, m, the finished pool's types, and for each sublayer k the
+    types of the block's own sources it merges: none for k = 0, then PC and the begun details), and
+    the types of the whole pool at the end."""
+    blocks, pool = [], [-1]
+    for start in range(0, L, module.block_len):
+        m = min(module.block_len, L - start)
+        blocks.append((start, m, pool, [[] if k == 0 else [-1] + module.begun(m, k) for k in range(m)]))
+        pool = pool + [-1] + module.begun(m, m)
+    return blocks, pool
+
+
+def detail_biases(module, blocks, readout):
+    """Every read's bias, in the order wav() reads (each block's phase 1, its sublayers' phase 2, the
+    output mixer), gathered in one indexing of detail_bias padded with a zero column (type -1): one
+    operator forward and a few backward instead of several per read. -> a list of (rows, S) tensors."""
+    padded = F.pad(module.detail_bias, (1, 0))
+    width, index, shapes = padded.shape[1], [], []
+
+    def read(rows, types):
+        index.extend(r * width + t + 1 for r in rows for t in types)
+        shapes.append((len(rows), len(types)))
+    for start, m, pool, own in blocks:
+        read(range(start, start + m), pool)
+        for k in range(1, m):
+            read([start + k], own[k])
+    read([len(padded) - 1], readout)
+    flat = padded.flatten()[torch.tensor(index, device=padded.device)]
+    return [b.view(shape) for b, shape in zip(flat.split([r * c for r, c in shapes]), shapes)]
+
+
+def accumulate(total, c, u):
+    """total + c u for a coefficient c: a number of the paper's fixed bases (+1, -1 or 0: a sum, a
+    difference or nothing, one operator at most) or a tensor entry of a learned basis."""
+    if isinstance(c, Tensor):
+        term = c.to(u.dtype) * u
+        return term if total is None else total + term
+    if c == 0:
+        return total
+    if total is None:
+        return u if c == 1 else -u
+    return total + u if c == 1 else total - u
 
 
 def wav(module, x, sublayers, backend, mgr_fallback_p):
     """WAV in Block AttnRes's two phases: the queries of a block read the finished pool (e, the block
     sums and their matched details) in one pass; each then merges PC and the block's partial details,
-    which are accumulated online (one tensor per detail type)."""
-    queries, L = module.read.queries, len(sublayers)
-    sources, types = [x], [-1]  # the finished pool; -1: e or a block sum, d >= 0: a detail of type d
-    for start in range(0, L, module.block_len):
-        m = min(module.block_len, L - start)
-        coeffs = module.basis(m)
-        finished = read_many(queries[start:start + m], sources, detail_bias(module, slice(start, start + m), types),
-                             backend)
+    which are accumulated online (one tensor per detail type). The plan of the sources' types is made
+    first, so that every read's bias is gathered at once."""
+    from residuals import detail_signs  # (residuals imports this module)
+    queries, L = module.read.queries.split(1), len(sublayers)
+    blocks, types = wav_plan(module, L)
+    readout = types if module.detail_readout else [t for t in types if t < 0]  # conservative: e and block sums
+    biases = iter(detail_biases(module, blocks, readout))
+    sources = [x]  # the finished pool
+    for start, m, _, own in blocks:
+        coeffs = detail_signs(m, module.levels) if module.basis_delta is None else module.basis(m)
+        finished = read_many(rows_of(queries, start, m), sources, next(biases), backend)
         partial = raw = None  # PC and the raw partial details P_d
         for k in range(m):
-            i, more, more_types = start + k, [], []
-            if k:  # the P terms only once the block has begun
-                begun = module.begun(m, k)
-                more, more_types = [partial] + [module.match(raw[d], partial) for d in begun], [-1] + begun
-            h = read_on(finished[k], queries[i], more, detail_bias(module, i, more_types) if more else None, backend)
-            u = sublayers[i](h)
+            more = [] if k == 0 else [partial] + [module.match(raw[d], partial) for d in own[k][1:]]
+            h = read_on(finished[k], queries[start + k], more, next(biases) if k else None, backend)
+            u = sublayers[start + k](h)
             partial = u if partial is None else partial + u
-            terms = [coeffs[d, k].to(u.dtype) * u for d in range(len(coeffs))]
-            raw = terms if raw is None else [p + t for p, t in zip(raw, terms)]
-        begun = module.begun(m, m)
-        sources = sources + [partial] + [module.match(raw[d], partial) for d in begun]
-        types = types + [-1] + begun
-    if not module.detail_readout:  # conservative readout: e and the block sums only
-        sources, types = [s for s, t in zip(sources, types) if t < 0], [t for t in types if t < 0]
-    return read_all(queries[L], sources, detail_bias(module, L, types), backend)
+            raw = [accumulate(None if raw is None else raw[d], coeffs[d][k], u) for d in range(len(coeffs))]
+        sources = sources + [partial] + [module.match(raw[d], partial) for d in module.begun(m, m)]
+    if not module.detail_readout:
+        sources = [s for s, t in zip(sources, types) if t < 0]
+    return read_all(queries[L], sources, next(biases), backend)
 
 
 # ----------------------------------------------------------------------------- HC and mHC-lite: recomputed streams
@@ -596,12 +717,12 @@ def _rms_dot(x, query):
 def mgr_step_torch(streams, u, gate_query, gate_bias, pool_query, competitive, keep):
     """The fused step in PyTorch: the gates from the input streams, the lerp, the AttnPool of the
     result. streams (n, N, C), u (N, C); queries (C,) already scaled by 1/sqrt(C); gate_bias (1,).
-    Returns new streams, h (N, C), beta and alpha (n, N) float32, and the originals of the `keep`
+    Returns new streams, h (N, C), beta and alpha (n, N) (float32 for half precision), and the originals of the `keep`
     largest gates per token (indices (keep, N), streams (keep, N, C)) for the inversion."""
-    s, u32 = streams.float(), u.float()
-    beta = _gates(_rms_dot(s, gate_query.float())[1], gate_bias.float(), competitive)
-    new = torch.lerp(s, u32, beta.unsqueeze(-1))  # s + beta (u - s)
-    alpha = torch.softmax(_rms_dot(new, pool_query.float())[1], dim=0)
+    s, u_wide = upcast(streams), upcast(u)
+    beta = _gates(_rms_dot(s, upcast(gate_query))[1], upcast(gate_bias), competitive)
+    new = torch.lerp(s, u_wide, beta.unsqueeze(-1))  # s + beta (u - s)
+    alpha = torch.softmax(_rms_dot(new, upcast(pool_query))[1], dim=0)
     h = (alpha.unsqueeze(-1) * new).sum(0)  # (einsum would run one tiny matmul per token on CPU)
     index = beta.topk(keep, dim=0).indices
     kept = streams.gather(0, index.unsqueeze(-1).expand(-1, -1, streams.shape[-1]))
@@ -614,26 +735,26 @@ def mgr_step_backward_torch(x, u, gate_query, gate_bias, pool_query, beta, alpha
     rebuilt from them, the kept originals put back), else its input streams (the outputs are
     recomputed). Returns the grads of streams, u, gate_query, gate_bias, pool_query, and the
     (rebuilt) input streams."""
-    x, u32, b = x.float(), u.float(), beta.unsqueeze(-1)
+    x, u_wide, b = upcast(x), upcast(u), beta.unsqueeze(-1)
     if invert:
         new = x
-        s = torch.addcmul(x, b, u32, value=-1).div_(1 - b)
-        s.scatter_(0, index.unsqueeze(-1).expand(-1, -1, x.shape[-1]), kept.float())
+        s = torch.addcmul(x, b, u_wide, value=-1).div_(1 - b)
+        s.scatter_(0, index.unsqueeze(-1).expand(-1, -1, x.shape[-1]), upcast(kept))
     else:
         s = x
-        new = torch.lerp(s, u32, b)
-    C, grad_h = x.shape[-1], grad_h.float()
+        new = torch.lerp(s, u_wide, b)
+    C, grad_h = x.shape[-1], upcast(grad_h)
     # AttnPool: h = sum_j alpha_j s'_j, alpha = softmax(r'_j s'_j.w); in place where a pass is saved
-    r2, y = _rms_dot(new, pool_query.float())
+    r2, y = _rms_dot(new, upcast(pool_query))
     g_alpha = (new * grad_h).sum(-1)
     dy = alpha * (g_alpha - (alpha * g_alpha).sum(0))
-    d_new = torch.addcmul(grad_new.float(), alpha.unsqueeze(-1), grad_h)
-    d_new.addcmul_((dy * r2).unsqueeze(-1), pool_query.float()).addcmul_((dy * r2 * r2 * y / C).unsqueeze(-1), new,
+    d_new = torch.addcmul(upcast(grad_new), alpha.unsqueeze(-1), grad_h)
+    d_new.addcmul_((dy * r2).unsqueeze(-1), upcast(pool_query)).addcmul_((dy * r2 * r2 * y / C).unsqueeze(-1), new,
                                                                            value=-1)
     grad_pool = (dy * r2).flatten() @ new.flatten(0, 1)
     # lerp: s' = s + beta (u - s)
     grad_u = (b * d_new).sum(0)
-    d_beta = (d_new * (u32 - s)).sum(-1)
+    d_beta = (d_new * (u_wide - s)).sum(-1)
     d_s = d_new.mul_(1 - b)
     # gates
     if competitive:
@@ -643,8 +764,8 @@ def mgr_step_backward_torch(x, u, gate_query, gate_bias, pool_query, beta, alpha
     else:
         dz = d_beta * beta * (1 - beta)
         grad_bias = dz.sum()
-    r, z = _rms_dot(s, gate_query.float())
-    d_s.addcmul_((dz * r).unsqueeze(-1), gate_query.float()).addcmul_((dz * r * r * z / C).unsqueeze(-1), s, value=-1)
+    r, z = _rms_dot(s, upcast(gate_query))
+    d_s.addcmul_((dz * r).unsqueeze(-1), upcast(gate_query)).addcmul_((dz * r * r * z / C).unsqueeze(-1), s, value=-1)
     grad_gate = (dz * r).flatten() @ s.flatten(0, 1)
     return (d_s.to(x.dtype), grad_u.to(u.dtype), grad_gate, grad_bias.reshape(1), grad_pool, s)
 
@@ -652,18 +773,18 @@ def mgr_step_backward_torch(x, u, gate_query, gate_bias, pool_query, beta, alpha
 if triton is not None:
     @triton.jit
     def _mgr_step_fwd(S, U, VG, VP, BIAS, NEW, H, BETA, ALPHA, INDEX, KEPT, n, N, C, keep, eps,
-                      COMPETITIVE: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr):
+                      COMPETITIVE: tl.constexpr, ACC: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         rows, cols = tl.arange(0, BN), tl.arange(0, BC)
         rmask, cmask = rows < n, cols < C
         mask = rmask[:, None] & cmask[None, :]
         at = rows[:, None] * N * C + t * C + cols[None, :]
-        s = tl.load(S + at, mask=mask, other=0.).to(tl.float32)  # the n streams: read once
-        u = tl.load(U + t * C + cols, mask=cmask, other=0.).to(tl.float32)
-        vg = tl.load(VG + cols, mask=cmask, other=0.).to(tl.float32)
-        vp = tl.load(VP + cols, mask=cmask, other=0.).to(tl.float32)
-        b = tl.load(BIAS).to(tl.float32)
-        z = tl.rsqrt(tl.sum(s * s, axis=1) / C + eps) * tl.sum(s * vg[None, :], axis=1)
+        s = tl.load(S + at, mask=mask, other=0.).to(ACC)  # the n streams: read once
+        u = tl.load(U + t * C + cols, mask=cmask, other=0.).to(ACC)
+        vg = tl.load(VG + cols, mask=cmask, other=0.).to(ACC)
+        vp = tl.load(VP + cols, mask=cmask, other=0.).to(ACC)
+        b = tl.load(BIAS).to(ACC)
+        z = 1 / tl.sqrt(tl.sum(s * s, axis=1) / C + eps) * tl.sum(s * vg[None, :], axis=1)
         if COMPETITIVE:  # softmax over [b, z_1..z_n], without the keep entry
             z = tl.where(rmask, z, float('-inf'))
             top = tl.maximum(tl.max(z, axis=0), b)
@@ -673,7 +794,7 @@ if triton is not None:
             beta = tl.where(rmask, tl.sigmoid(z + b), 0.)
         new = s + beta[:, None] * (u[None, :] - s)
         tl.store(NEW + at, new.to(NEW.dtype.element_ty), mask=mask)
-        y = tl.rsqrt(tl.sum(new * new, axis=1) / C + eps) * tl.sum(new * vp[None, :], axis=1)
+        y = 1 / tl.sqrt(tl.sum(new * new, axis=1) / C + eps) * tl.sum(new * vp[None, :], axis=1)
         y = tl.where(rmask, y, float('-inf'))
         alpha = tl.exp(y - tl.max(y, axis=0))
         alpha = alpha / tl.sum(alpha, axis=0)
@@ -691,21 +812,22 @@ if triton is not None:
     @triton.jit
     def _mgr_step_bwd(X, U, VG, VP, BETA, ALPHA, INDEX, KEPT, G_NEW, G_H, D_S, D_U, REBUILT,
                       D_VG, D_VP, D_B, n, N, C, keep, eps,
-                      COMPETITIVE: tl.constexpr, INVERT: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr):
+                      COMPETITIVE: tl.constexpr, INVERT: tl.constexpr, ACC: tl.constexpr, BN: tl.constexpr,
+                      BC: tl.constexpr):
         pid, programs = tl.program_id(0), tl.num_programs(0)
         rows, cols = tl.arange(0, BN), tl.arange(0, BC)
         rmask, cmask = rows < n, cols < C
         mask = rmask[:, None] & cmask[None, :]
-        vg = tl.load(VG + cols, mask=cmask, other=0.).to(tl.float32)
-        vp = tl.load(VP + cols, mask=cmask, other=0.).to(tl.float32)
-        d_vg = tl.zeros((BC,), tl.float32)
-        d_vp = tl.zeros((BC,), tl.float32)
-        d_b = tl.zeros((BN,), tl.float32)
+        vg = tl.load(VG + cols, mask=cmask, other=0.).to(ACC)
+        vp = tl.load(VP + cols, mask=cmask, other=0.).to(ACC)
+        d_vg = tl.zeros((BC,), ACC)
+        d_vp = tl.zeros((BC,), ACC)
+        d_b = tl.zeros((BN,), ACC)
         for token in range(pid, N, programs):
             t = pid.to(tl.int64) + (token - pid)  # int64 offsets (the interpreter yields Python ints here)
             at = rows[:, None] * N * C + t * C + cols[None, :]
-            x = tl.load(X + at, mask=mask, other=0.).to(tl.float32)
-            u = tl.load(U + t * C + cols, mask=cmask, other=0.).to(tl.float32)
+            x = tl.load(X + at, mask=mask, other=0.).to(ACC)
+            u = tl.load(U + t * C + cols, mask=cmask, other=0.).to(ACC)
             beta = tl.load(BETA + rows * N + t, mask=rmask, other=0.)
             alpha = tl.load(ALPHA + rows * N + t, mask=rmask, other=0.)
             if INVERT:  # rebuild the inputs from the outputs; the largest gates' originals were kept
@@ -713,19 +835,19 @@ if triton is not None:
                 s = (x - beta[:, None] * u[None, :]) / (1 - beta[:, None])
                 for k in range(keep):
                     j = tl.load(INDEX + k * N + t)
-                    original = tl.load(KEPT + k * N * C + t * C + cols, mask=cmask, other=0.).to(tl.float32)
+                    original = tl.load(KEPT + k * N * C + t * C + cols, mask=cmask, other=0.).to(ACC)
                     s = tl.where(rows[:, None] == j, original[None, :], s)
                 tl.store(REBUILT + at, s.to(REBUILT.dtype.element_ty), mask=mask)
             else:
                 s = x
                 new = s + beta[:, None] * (u[None, :] - s)
-            g_h = tl.load(G_H + t * C + cols, mask=cmask, other=0.).to(tl.float32)
+            g_h = tl.load(G_H + t * C + cols, mask=cmask, other=0.).to(ACC)
             # AttnPool
-            r2 = tl.rsqrt(tl.sum(new * new, axis=1) / C + eps)
+            r2 = 1 / tl.sqrt(tl.sum(new * new, axis=1) / C + eps)
             y = r2 * tl.sum(new * vp[None, :], axis=1)
             g_alpha = tl.sum(new * g_h[None, :], axis=1)
             dy = alpha * (g_alpha - tl.sum(alpha * g_alpha, axis=0))
-            d_new = (tl.load(G_NEW + at, mask=mask, other=0.).to(tl.float32) + alpha[:, None] * g_h[None, :]
+            d_new = (tl.load(G_NEW + at, mask=mask, other=0.).to(ACC) + alpha[:, None] * g_h[None, :]
                      + (dy * r2)[:, None] * vp[None, :] - (dy * r2 * r2 * y / C)[:, None] * new)
             d_vp += tl.sum((dy * r2)[:, None] * new, axis=0)
             # lerp
@@ -740,7 +862,7 @@ if triton is not None:
             else:
                 dz = d_beta * beta * (1 - beta)
                 d_b += dz
-            r = tl.rsqrt(tl.sum(s * s, axis=1) / C + eps)
+            r = 1 / tl.sqrt(tl.sum(s * s, axis=1) / C + eps)
             z = r * tl.sum(s * vg[None, :], axis=1)
             d_s += (dz * r)[:, None] * vg[None, :] - (dz * r * r * z / C)[:, None] * s
             d_vg += tl.sum((dz * r)[:, None] * s, axis=0)
@@ -756,19 +878,21 @@ def triton_mgr_step(streams: Tensor, u: Tensor, gate_query: Tensor, gate_bias: T
     """mgr_step_torch in Triton, one program per token."""
     streams, u = streams.contiguous(), u.contiguous()
     n, N, C = streams.shape
+    acc, acc_tl = accumulator(streams.dtype)
     new, h = torch.empty_like(streams), torch.empty_like(u)
-    beta, alpha = (torch.empty((n, N), device=u.device, dtype=torch.float32) for _ in range(2))
+    beta, alpha = (torch.empty((n, N), device=u.device, dtype=acc) for _ in range(2))
     index = torch.empty((keep, N), device=u.device, dtype=torch.int64)
     kept = streams.new_empty((keep, N, C))
     _mgr_step_fwd[(N,)](streams, u, gate_query.contiguous(), pool_query.contiguous(), gate_bias, new, h, beta, alpha,
-                        index, kept, n, N, C, keep, RMS_EPS, COMPETITIVE=competitive, BN=next_pow2(n), BC=next_pow2(C))
+                        index, kept, n, N, C, keep, RMS_EPS, COMPETITIVE=competitive, ACC=acc_tl, BN=next_pow2(n),
+                        BC=next_pow2(C))
     return new, h, beta, alpha, index, kept
 
 
 @triton_mgr_step.register_fake
 def _(streams, u, gate_query, gate_bias, pool_query, competitive, keep):
     n, N, C = streams.shape
-    stat = lambda: streams.new_empty((n, N), dtype=torch.float32)
+    stat = lambda: streams.new_empty((n, N), dtype=accumulator(streams.dtype)[0])
     return (torch.empty_like(streams), torch.empty_like(u), stat(), stat(),
             streams.new_empty((keep, N), dtype=torch.int64), streams.new_empty((keep, N, C)))
 
@@ -781,23 +905,23 @@ def triton_mgr_step_backward(x: Tensor, u: Tensor, gate_query: Tensor, gate_bias
     """mgr_step_backward_torch in Triton."""
     x, u = x.contiguous(), u.contiguous()
     n, N, C = x.shape
-    programs = reduction_programs(N)
+    programs, (acc, acc_tl) = reduction_programs(N), accumulator(x.dtype)
     d_s, d_u = torch.empty_like(x), torch.empty_like(u)
     rebuilt = torch.empty_like(x) if invert else x.new_empty(0)  # only the inversion writes it
-    partial = lambda *shape: torch.empty((programs,) + shape, device=x.device, dtype=torch.float32)
+    partial = lambda *shape: torch.empty((programs,) + shape, device=x.device, dtype=acc)
     d_vg, d_vp, d_b = partial(C), partial(C), partial()
     _mgr_step_bwd[(programs,)](x, u, gate_query.contiguous(), pool_query.contiguous(), beta, alpha, index,
                                kept.contiguous(), grad_new.contiguous(), grad_h.contiguous(), d_s, d_u, rebuilt,
                                d_vg, d_vp, d_b, n, N, C, index.shape[0], RMS_EPS, COMPETITIVE=competitive,
-                               INVERT=invert, BN=next_pow2(n), BC=next_pow2(C))
+                               INVERT=invert, ACC=acc_tl, BN=next_pow2(n), BC=next_pow2(C))
     return d_s, d_u, d_vg.sum(0), d_b.sum().reshape(1), d_vp.sum(0), rebuilt
 
 
 @triton_mgr_step_backward.register_fake
 def _(x, u, gate_query, gate_bias, pool_query, beta, alpha, index, kept, grad_new, grad_h, competitive, invert):
-    C = x.shape[-1]
-    return (torch.empty_like(x), torch.empty_like(u), x.new_empty((C,), dtype=torch.float32),
-            x.new_empty((1,), dtype=torch.float32), x.new_empty((C,), dtype=torch.float32),
+    C, acc = x.shape[-1], accumulator(x.dtype)[0]
+    return (torch.empty_like(x), torch.empty_like(u), x.new_empty((C,), dtype=acc),
+            x.new_empty((1,), dtype=acc), x.new_empty((C,), dtype=acc),
             torch.empty_like(x) if invert else x.new_empty(0))
 
 
@@ -850,25 +974,32 @@ def mgr_step(streams, u, gate_query, gate_bias, pool_query, competitive, fallbac
 
 
 def mgr(module, x, sublayers, backend, mgr_fallback_p):
-    """MGR with the fused step (gates, convex update, next AttnPool). With mgr_fallback_p >= 0 in
-    eager mode, the steps' backwards invert the lerp, passing the rebuilt streams backwards on a
-    tape local to this forward. The plain step (torch, mgr_fallback_p = -1) is the class's forward."""
+    """MGR with the fused step (gates, convex update, next AttnPool). In the accumulation phase the
+    streams are a list and each AttnPool is one depth read of them (AttnPool is DepthAttention); they
+    are stacked once, where the gated phase begins. The queries are scaled once and split, so that
+    each sublayer takes its own without an operator (and its gradient without a full-size zero).
+    With mgr_fallback_p >= 0 in eager mode, the steps' backwards invert the lerp, passing the rebuilt
+    streams backwards on a tape local to this forward. The plain step (torch, mgr_fallback_p = -1)
+    is the class's forward."""
     if backend == 'torch' and mgr_fallback_p < 0:
         return module(x, sublayers)
-    n, pool, gates = module.n, module.pool, module.gates
+    n, gates = module.n, module.gates
     tape = {} if mgr_fallback_p >= 0 and not torch.compiler.is_compiling() else None  # Python state: eager only
-    streams = x.unsqueeze(0)  # s_1 = e
-    h = pool(0, streams)
+    pool_queries = (module.pool.queries * module.pool.scale).split(1)
+    gate_queries, gate_bias = (gates.queries * gates.scale).unbind(0), gates.bias.split(1)
+    started, streams = [x], None  # s_1 = e, then one stream per update of the accumulation phase
+    h = read_all(pool_queries[0], started, None, backend)
     for i, f in enumerate(sublayers):
         u = f(h)
         if i < n - 1:  # accumulation phase: the update starts a new stream
-            streams = torch.cat([streams, u.unsqueeze(0)])
-            h = pool(i + 1, streams)
+            started.append(u)
+            h = read_all(pool_queries[i + 1], started, None, backend)
         else:
+            if streams is None:
+                streams = torch.stack(started) if len(started) > 1 else x.unsqueeze(0)
             j = i - (n - 1)
-            streams, h = mgr_step(streams, u, gates.queries[j] * gates.scale, gates.bias[j],
-                                  pool.queries[i + 1] * pool.scale, gates.competitive, mgr_fallback_p, tape, i,
-                                  i == len(sublayers) - 1, backend)
+            streams, h = mgr_step(streams, u, gate_queries[j], gate_bias[j], pool_queries[i + 1].view(-1),
+                                  gates.competitive, mgr_fallback_p, tape, i, i == len(sublayers) - 1, backend)
     return h
 
 

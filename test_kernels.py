@@ -14,8 +14,8 @@ from torch.func import functional_call
 
 import data
 import kernels
-from conftest import (KERNEL_DEVICE, METHODS, REAL_TEXT, assert_clean_error, fake_sublayers, needs_triton, randomize_routing,
-                      rel_rms, routing, run_cli, tiny_model)
+from conftest import (KERNEL_DEVICE, METHODS, REAL_TEXT, TRITON_MARKS, assert_clean_error, fake_sublayers, needs_triton,
+                      randomize_routing, rel_rms, routing, run_cli, tiny_model)
 from residuals import DepthAttention, rms_norm
 
 
@@ -32,9 +32,9 @@ def test_depth_mix_hand_written_backward_matches_autograd(S, C, m, with_bias):
 
     def mix(q, *rest):
         b, srcs = (rest[0], rest[1:]) if with_bias else (None, rest)
-        return kernels.DepthMix.apply(q, b, *srcs)
+        return kernels.DepthMix.apply(q, b, None, None, *srcs)
     assert torch.autograd.gradcheck(mix, inputs)
-    got_mixed, got_lse = kernels.DepthMix.apply(queries, bias, *sources)
+    got_mixed, got_lse = kernels.DepthMix.apply(queries, bias, None, None, *sources)
     grad_mixed = torch.randn(m, 2, 3, C, dtype=torch.float64, generator=gen)
     grad_lse = torch.randn(m, 2, 3, dtype=torch.float64, generator=gen)
     got = torch.autograd.grad((got_mixed * grad_mixed).sum() + (got_lse * grad_lse).sum(), inputs)
@@ -85,9 +85,41 @@ def test_depth_mix_kernel_equals_its_reference(S, m, C, T, with_bias, few_progra
                                     [q] + ([b] if with_bias else []) + srcs)
         return [mixed, lse, grads[0]] + ([grads[1]] if with_bias else []) + [torch.stack(grads[-S:])]
     got = run(kernels.triton_depth_mix, torch.float32)
-    want = run(lambda q, b, srcs: kernels.DepthMix.apply(q, b, *srcs), torch.float64)
+    want = run(lambda q, b, srcs: kernels.DepthMix.apply(q, b, None, None, *srcs), torch.float64)
     for name, a, b in zip(['mixed', 'lse', 'd queries'] + ['d bias'] * with_bias + ['d sources'], got, want):
         assert a.dtype == torch.float32 and rel_rms(a, b) <= 1e-5, name
+
+
+@pytest.mark.parametrize('backend', ['torch', pytest.param('triton', marks=needs_triton)])
+@pytest.mark.parametrize('S,split,m,with_bias', [(2, 1, 1, False), (5, 3, 2, True), (7, 1, 3, True)])
+def test_depth_mix_with_a_prior_equals_one_read_of_every_source(S, split, m, with_bias, backend, few_programs):
+    """Phase 2 in the kernel: the first `split` sources read as a prior (mixed, lse), the others read
+    on top of it in one call, equal one read of all S sources at once, in float64 to 1e-12: mixed,
+    lse and the gradients of the queries, the bias and every source (through the prior too); the
+    PyTorch twin also by finite differences."""
+    gen = torch.Generator().manual_seed(S)
+    dev = KERNEL_DEVICE if backend == 'triton' else torch.device('cpu')
+    leaf = lambda *shape: (torch.randn(*shape, generator=gen, dtype=torch.float64) * 2).to(dev).requires_grad_()
+    sources, queries = [leaf(2, 3, 12) for _ in range(S)], leaf(m, 12)
+    bias = leaf(m, S) if with_bias else None
+    grad_mixed, grad_lse = torch.randn(m, 2, 3, 12, generator=gen, dtype=torch.float64).to(dev), torch.randn(
+        m, 2, 3, generator=gen, dtype=torch.float64).to(dev)
+    inputs = [queries] + ([bias] if with_bias else []) + sources
+
+    def merged(q, b, *srcs):
+        prior = kernels.depth_mix(q, None if b is None else b[:, :split], srcs[:split], backend)
+        return kernels.depth_mix(q, None if b is None else b[:, split:], srcs[split:], backend, prior)
+
+    def results(mix):
+        mixed, lse = mix(queries, bias, *sources)
+        grads = torch.autograd.grad((mixed * grad_mixed).sum() + (lse * grad_lse).sum(), inputs)
+        return [mixed, lse, *grads]
+    got, want = results(merged), results(lambda q, b, *srcs: kernels.depth_mix(q, b, srcs, 'torch'))
+    assert all(rel_rms(a, b) <= 1e-12 for a, b in zip(got, want)), [rel_rms(a, b) for a, b in zip(got, want)]
+    if backend == 'torch':
+        prior = [t.detach().requires_grad_() for t in kernels.depth_mix(queries, None, sources[:split], backend)]
+        more = lambda q, pm, pl, *srcs: kernels.DepthMix.apply(q, None, pm, pl, *srcs)
+        assert torch.autograd.gradcheck(more, [queries, *prior, *sources[split:]])
 
 
 @needs_triton
@@ -99,7 +131,7 @@ def test_depth_mix_kernel_promotes_sources_of_mixed_dtypes():
     queries = torch.randn(2, 10, generator=gen).to(KERNEL_DEVICE)
     mixed = kernels.triton_depth_mix(queries, None, [sources[0].double()] + sources[1:])[0]
     assert mixed.dtype == torch.float64
-    assert rel_rms(mixed, kernels.DepthMix.apply(queries.double(), None, *[v.double() for v in sources])[0]) <= 1e-6
+    assert rel_rms(mixed, kernels.DepthMix.apply(queries.double(), None, None, None, *[v.double() for v in sources])[0]) <= 1e-6
 
 
 @needs_triton
@@ -497,3 +529,59 @@ def test_every_method_compiles_as_one_graph(residual, knobs):
     model.double()
     idx = torch.randint(27, (2, 7), generator=torch.Generator().manual_seed(0))
     assert_compiled_matches_eager(model, idx, 'eager')
+
+
+# ----------------------------------------------------------------------------- every fast path in float64; launches
+
+@pytest.mark.parametrize('backend', ['torch', pytest.param('triton', marks=TRITON_MARKS)])
+@pytest.mark.parametrize('residual', METHODS)
+def test_every_fast_path_equals_the_reference_in_float64(residual, backend):
+    """Every method's fast path (the twins of kernels.py, the Triton kernels) computes at its inputs'
+    precision: in float64 its output and the gradients of e and of every routing parameter equal the
+    class's own forward through autograd within 1e-10 (float32 inside would show as ~1e-7), on
+    random routing and random sublayers that use every input they get."""
+    def run(backend):
+        torch.manual_seed(0)  # MUDD's init draws from the global generator
+        gen = torch.Generator().manual_seed(0)
+        router = routing(residual, 3, C=24)
+        randomize_routing(router)
+        router.double()
+        weights = [torch.randn(24, 24, generator=gen, dtype=torch.float64) * 24 ** -0.5 for _ in range(6)]
+        e = torch.randn(2, 5, 24, generator=gen, dtype=torch.float64).requires_grad_()
+        sublayers = [lambda h, *more, w=w: 3 * torch.tanh((h + sum(more)) @ w) for w in weights]
+        out = kernels.route(router, e, sublayers, backend)
+        probe = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+        return [out, *torch.autograd.grad((out * probe).sum(), [e, *router.parameters()])]
+    errors = [rel_rms(got, want) for got, want in zip(run(backend), run('reference'))]
+    assert max(errors) <= 1e-10, errors
+
+
+# The operators one training step dispatches (forward + backward; compute, views) at 4 layers, as
+# `python bench.py --count_ops=True --config=ops` prints them: each compute operator is a kernel
+# launch on a GPU, so a change that adds launches to a method's routing fails here. Lower counts
+# fail too, so that these figures and the README's stay the measured ones: update both.
+OPERATORS = {
+    'torch': {'prenorm': (135, 245), 'rezero': (152, 239), 'layerscale': (168, 255), 'attnres': (914, 1256),
+              'block_attnres': (736, 962), 'delta_attnres': (800, 1007), 'wav': (1335, 1657), 'hc': (723, 969),
+              'mhc_lite': (924, 1391), 'mgr': (847, 756), 'denseformer': (180, 321), 'mudd': (323, 475)},
+    'triton': {'prenorm': (135, 245), 'rezero': (152, 239), 'layerscale': (168, 255), 'attnres': (178, 317),
+               'block_attnres': (176, 317), 'delta_attnres': (236, 315), 'wav': (396, 388), 'hc': (723, 969),
+               'mhc_lite': (924, 1391), 'mgr': (176, 340), 'denseformer': (180, 321), 'mudd': (323, 475)},
+}
+
+
+@pytest.mark.parametrize('backend', ['torch', pytest.param('triton', marks=needs_triton)])
+def test_operators_per_training_step_are_pinned(backend):
+    """Counted exactly (a dispatch mode; no timing), on a 4-layer model at a few tokens (the counts do
+    not depend on width or tokens); within 2% for other PyTorch versions' decompositions."""
+    import contextlib
+    import bench
+    shape, cfg = dict(n_layer=4, n_embd=32, n_head=2, block_size=8), dict(seed=0, vocab_size=96, mgr_fallback_p=1)
+    idx = torch.randint(96, (1, 8), generator=torch.Generator().manual_seed(0)).to(KERNEL_DEVICE)
+    counted = {}
+    for residual in METHODS:
+        r = bench.operator_counts(residual, shape, 1, idx, idx, KERNEL_DEVICE, contextlib.nullcontext(), backend, cfg)
+        counted[residual] = (r['compute'], r['views'])
+    off = {m: (counted[m], want) for m, want in OPERATORS[backend].items()
+           if any(abs(c - w) > max(2, 0.02 * w) for c, w in zip(counted[m], want))}
+    assert not off, f"(counted, pinned) operators per training step changed: {off}"
