@@ -43,7 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import configurator
 from kernels import resolve as resolve_kernels
-from model import COMPILE_SCOPES, GPT, GPTConfig
+from model import COMPILE_MODES, COMPILE_SCOPES, GPT, GPTConfig
 from residuals import RESIDUALS
 
 CONFIGS = {
@@ -70,6 +70,7 @@ device = 'auto'
 dtype = 'auto'
 compile = False
 compile_scope = 'model'  # model: one graph, the routing included; sublayers: each attention and MLP compiled once
+compile_mode = 'default'  # torch.compile's mode: default, reduce-overhead (CUDA graphs) or max-autotune
 kernels = 'auto'  # how the routing runs (kernels.py): reference, torch, triton; auto = triton on CUDA, else torch
 mgr_fallback_p = 1  # MGR's fast backward inverts the lerp, keeping p originals per token; -1 = no inversion
 seed = 0
@@ -154,6 +155,7 @@ def main(argv):
     configurator.check(cfg, {'steps': (lambda v: v >= 1, 'at least 1'), 'warmup': (lambda v: v >= 0, 'at least 0'),
                              'vocab_size': (lambda v: v >= 2, 'at least 2'),
                              'compile_scope': (lambda v: v in COMPILE_SCOPES, ' or '.join(COMPILE_SCOPES)),
+                             'compile_mode': (lambda v: v in COMPILE_MODES, ' or '.join(COMPILE_MODES)),
                              'mgr_fallback_p': (lambda v: v >= -1, '-1 (no inversion) or at least 0')})
     if cfg['config'] not in CONFIGS:
         sys.exit(f"error: config={cfg['config']!r}; choose one of: {', '.join(CONFIGS)}")
@@ -173,7 +175,7 @@ def main(argv):
     x = torch.randint(cfg['vocab_size'], (B, T), generator=gen).to(dev)
     y = torch.randint(cfg['vocab_size'], (B, T), generator=gen).to(dev)
     print(f"bench: {cfg['config']} {shape}, batch {B}, on {dev} {dtype_name}, compile={cfg['compile']} "
-          f"({cfg['compile_scope']}), "
+          f"({cfg['compile_scope']}, {cfg['compile_mode']}), "
           f"kernels={backend}, mgr_fallback_p={cfg['mgr_fallback_p']}, "
           + ("counting operators" if cfg['count_ops'] else
              f"{cfg['warmup']} warm-up + {cfg['steps']} timed steps each, {torch.get_num_threads()} threads"))
@@ -218,7 +220,7 @@ def measure(cfg, names, shape, B, x, y, dev, ctx, backend):
         with ctx:
             saved = saved_bytes(model, x, y)
         optimizer = model.configure_optimizers(0.1, 1e-4, (0.9, 0.95), dev.type)
-        step_model = model.compiled(cfg['compile_scope']) if cfg['compile'] else model
+        step_model = model.compiled(cfg['compile_scope'], cfg['compile_mode']) if cfg['compile'] else model
         runs[name] = dict(model=model, step=step_model, optimizer=optimizer, times=[], saved=saved, first=None)
 
     def train_step(run):

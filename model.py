@@ -22,6 +22,7 @@ from residuals import RESIDUALS
 
 
 COMPILE_SCOPES = ('model', 'sublayers')  # of GPT.compiled
+COMPILE_MODES = ('default', 'reduce-overhead', 'max-autotune')  # torch.compile's modes (reduce-overhead: CUDA graphs)
 
 
 @dataclass
@@ -205,13 +206,17 @@ class GPT(nn.Module):
         """The L = 2*n_layer sublayer modules, in order: attention, MLP, attention, MLP, ..."""
         return [f for block in self.transformer.h for f in (block.attn, block.mlp)]
 
-    def compiled(self, scope='model'):
+    def compiled(self, scope='model', mode='default'):
         """torch.compile over a scope (COMPILE_SCOPES): 'model', the whole model as one graph, the
-        routing included (returns the compiled wrapper); 'sublayers', compile_sublayers (returns self)."""
+        routing included (returns the compiled wrapper); 'sublayers', compile_sublayers (returns self).
+        mode: torch.compile's (COMPILE_MODES); 'reduce-overhead' replays the step as CUDA graphs, which
+        removes the launches' host time on a GPU."""
+        if mode not in COMPILE_MODES:
+            raise ValueError(f"compile mode {mode!r}; choose one of: {', '.join(COMPILE_MODES)}")
         if scope == 'sublayers':
-            self.compile_sublayers()
+            self.compile_sublayers(mode=mode)
             return self
-        return torch.compile(self)
+        return torch.compile(self, mode=mode)
 
     def compile_sublayers(self, **options):
         """Regional compilation: torch.compile each sublayer in place. Every attention shares one

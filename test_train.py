@@ -199,6 +199,22 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, data_
     assert math.isfinite(load_checkpoint(str(tmp_path / 'ckpt.pt'))['val_loss'])
 
 
+def test_the_loss_is_read_to_the_host_only_at_log_steps(tmp_path, data_dir, monkeypatch):
+    """Reading a tensor (.item()) makes the host wait for the device; train.py does so at log steps
+    only (the loss and the non-finite flag), not at every step: 20 steps, log_interval 10, no
+    evaluation before the end -> 2 reads of each, where a per-step read would make 20."""
+    reads, item = [], torch.Tensor.item
+
+    def counted(tensor):
+        if sys._getframe(1).f_code.co_filename == train.__file__:
+            reads.append(sys._getframe(1).f_lineno)
+        return item(tensor)
+    monkeypatch.setattr(torch.Tensor, 'item', counted)
+    train.main([f'--out_dir={tmp_path}', f'--data_dir={data_dir}', '--max_iters=20', '--log_interval=10',
+                '--eval_interval=1000', *TINY_TRAIN])
+    assert len(reads) == 4 and len(set(reads)) == 1, reads
+
+
 def test_sample_prints_text_from_a_trained_checkpoint(tmp_path, data_dir, capsys):
     train.main([f'--out_dir={tmp_path}', f'--data_dir={data_dir}', '--max_iters=20', '--eval_interval=20', *TINY_TRAIN])
     capsys.readouterr()
@@ -355,17 +371,19 @@ def test_wandb_gets_what_the_log_gets(tmp_path, data_dir, monkeypatch):
                                                            '--wandb_log=True', *TINY_TRAIN])
 
 
-def test_compile_says_that_it_compiles(tmp_path, data_dir, capsys, monkeypatch):
-    monkeypatch.setattr(torch, 'compile', lambda model: model)  # the message, not the compiler, is under test
+def test_compile_says_that_it_compiles_and_passes_the_mode_through(tmp_path, data_dir, capsys, monkeypatch):
+    modes = []  # the message and the options, not the compiler, are under test
+    monkeypatch.setattr(torch, 'compile', lambda model, mode: modes.append(mode) or model)
     train.main([f'--out_dir={tmp_path}', f'--data_dir={data_dir}', '--max_iters=1', '--eval_interval=1',
-                '--compile=True', *TINY_TRAIN])
-    assert 'compiling the model with torch.compile' in capsys.readouterr().err
+                '--compile=True', '--compile_mode=reduce-overhead', *TINY_TRAIN])
+    assert 'compiling the model with torch.compile' in capsys.readouterr().err and modes == ['reduce-overhead']
     compiled = []
-    monkeypatch.setattr(model.GPT, 'compile_sublayers', lambda self: compiled.append(self))
+    monkeypatch.setattr(model.GPT, 'compile_sublayers', lambda self, mode: compiled.append(mode))
     train.main([f'--out_dir={tmp_path / "regional"}', f'--data_dir={data_dir}', '--max_iters=1', '--eval_interval=1',
                 '--compile=True', '--compile_scope=sublayers', *TINY_TRAIN])
-    assert 'compiling each sublayer' in capsys.readouterr().err and len(compiled) == 1
+    assert 'compiling each sublayer' in capsys.readouterr().err and compiled == ['default']
     assert 'model or sublayers' in exit_message(train.main, ['--compile_scope=blocks'])
+    assert 'default or reduce-overhead or max-autotune' in exit_message(train.main, ['--compile_mode=fast'])
 
 
 @pytest.mark.parametrize('script', ['train.py', 'sample.py', 'bench.py', 'analyze.py', 'sweep.py', 'data.py'])

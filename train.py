@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 import configurator
 import data
-from model import COMPILE_SCOPES, GPT, GPTConfig, CheckpointError, load_checkpoint, save_checkpoint
+from model import COMPILE_MODES, COMPILE_SCOPES, GPT, GPTConfig, CheckpointError, load_checkpoint, save_checkpoint
 
 # -----------------------------------------------------------------------------
 # defaults: a small model (GPTConfig's defaults: 4 layers, width 128, context 128) that learns the
@@ -60,6 +60,7 @@ compile = False  # torch.compile the model (the first steps then take a while)
 compile_scope = 'model'  # model: one graph, the routing included (minutes for deep models on a CPU);
 # sublayers: each attention and MLP compiled once and reused at every layer (seconds at any depth;
 # the routing then runs eager)
+compile_mode = 'default'  # torch.compile's mode: default, reduce-overhead (CUDA graphs) or max-autotune
 kernels = 'auto'  # how the routing runs (kernels.py): reference, torch, triton; auto = triton on CUDA, else torch
 mgr_fallback_p = 1  # MGR's fast backward inverts the lerp, keeping p originals per token; -1 = no inversion
 # logging to Weights & Biases (optional: pip install wandb), the records of log.jsonl
@@ -85,6 +86,7 @@ RULES = {  # the ranges of this script's numbers (the model's are checked by GPT
     'mgr_fallback_p': (lambda v: v >= -1, '-1 (no inversion) or at least 0'),
     'init_from': (lambda v: v in ('scratch', 'resume'), 'scratch or resume'),
     'compile_scope': (lambda v: v in COMPILE_SCOPES, ' or '.join(COMPILE_SCOPES)),
+    'compile_mode': (lambda v: v in COMPILE_MODES, ' or '.join(COMPILE_MODES)),
 }
 
 
@@ -230,7 +232,7 @@ def main(argv):
                   if cfg['compile_scope'] == 'sublayers' else
                   "compiling the model with torch.compile: the first steps take a while (minutes for deep models "
                   "on a CPU; --compile_scope=sublayers takes seconds)", file=sys.stderr)
-        model = model.compiled(cfg['compile_scope'])
+        model = model.compiled(cfg['compile_scope'], cfg['compile_mode'])
     if ddp:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == 'cuda' else None)
 
@@ -272,6 +274,11 @@ def main(argv):
     bar = tqdm(total=cfg['max_iters'], initial=iter_num, disable=not master or not terminal, dynamic_ncols=True,
                desc='train')
     t_start, train_time, logged_steps = time.time(), 0.0, 0
+    # The loss stays on the device between log steps: reading it every step would make the host wait
+    # for the GPU at every step, exposing every launch's latency. Whether any step's loss was not
+    # finite is kept there too (a flag), and checked where the loss is read: at every log step, which
+    # is also every step before an evaluation (so no checkpoint is written after a bad step).
+    nonfinite, checked_iter = torch.zeros((), device=device, dtype=torch.bool), iter_num
     try:
         while True:
             if master and (iter_num == cfg['max_iters'] or iter_num % cfg['eval_interval'] == 0) and iter_num != resumed_from:
@@ -315,18 +322,24 @@ def main(argv):
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg['grad_clip'])
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            if ddp:
-                torch.distributed.all_reduce(loss_sum)
-                loss_sum /= world
-            lossf = loss_sum.item()
-            if not math.isfinite(lossf):
-                stop(f"error: training loss is {lossf} at iter {iter_num}; stopped. The last good checkpoint is kept "
-                     f"in {cfg['out_dir']}. Try a lower learning_rate, or dtype=float32.")
-            train_time, logged_steps = train_time + time.time() - t0, logged_steps + 1
+            nonfinite |= ~torch.isfinite(loss_sum)
             iter_num += 1
+            if iter_num % cfg['log_interval'] == 0 or iter_num % cfg['eval_interval'] == 0 or iter_num == cfg['max_iters']:
+                if ddp:  # the ranks agree on the loss and on stopping
+                    state = torch.stack([loss_sum, nonfinite.to(loss_sum.dtype)])
+                    torch.distributed.all_reduce(state)
+                    loss_sum, nonfinite = state[0] / world, state[1] > 0
+                lossf, bad = loss_sum.item(), nonfinite.item()  # the host waits for the device here only
+                if bad:
+                    stop(f"error: training loss is not finite in a step after iter {checked_iter} up to iter {iter_num} "
+                         f"(the last: {lossf}); stopped. The last good checkpoint is kept in {cfg['out_dir']}. Try a "
+                         "lower learning_rate, or dtype=float32.")
+                checked_iter = iter_num
+            train_time, logged_steps = train_time + time.time() - t0, logged_steps + 1
             bar.update(1)
             if iter_num % cfg['log_interval'] == 0 or iter_num == cfg['max_iters']:
-                tok_s = logged_steps * tokens_per_iter / max(train_time, 1e-9)  # training steps only, not evaluation
+                # training steps only, not evaluation; the device's time counts at the log step's read
+                tok_s = logged_steps * tokens_per_iter / max(train_time, 1e-9)
                 train_time, logged_steps = 0.0, 0
                 bar.set_postfix(loss=f'{lossf:.4f}', tok_s=f'{tok_s:,.0f}')
                 if master and not terminal:
