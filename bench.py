@@ -27,6 +27,11 @@ as a custom op counts once, the operators inside it not at all; a view launches 
 each method's extra compute operators per sublayer over prenorm's and its views as a multiple of
 prenorm's. With the Triton kernels on a CPU, set TRITON_INTERPRET=1 (the counts are the same as on
 a GPU; the interpreter is slow, hence the 16-token shapes 'ops' and 'ops_deep').
+
+--suite=gpu is the prepared run for a lent GPU (at most about 10 minutes; run_suite below):
+
+    python bench.py --suite=gpu --suite_dir=$OUT         # on the GPU machine
+    python bench.py --suite=gpu --dry_run=True           # the same steps, tiny, on a CPU (a test runs it)
 """
 import contextlib
 import json
@@ -42,6 +47,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import configurator
+import kernels as kernels_module
 from kernels import resolve as resolve_kernels
 from model import COMPILE_MODES, COMPILE_SCOPES, GPT, GPTConfig
 from residuals import RESIDUALS
@@ -77,6 +83,11 @@ seed = 0
 json_path = ''  # write the results here too
 isolate = True  # each method in its own process beside its own prenorm
 count_ops = False  # count the operators of one training step instead of timing (exact; see above)
+profile = False  # on CUDA, also the GPU's busy time per step (kernel time from the profiler, 2 more steps)
+suite = ''  # 'gpu': the prepared GPU run (see run_suite), written to suite_dir; with dry_run: the same on a CPU
+suite_dir = 'gpu_suite'
+suite_budget_s = 570  # the suite's wall-time budget: what does not fit is reported as not run
+dry_run = False  # the suite on the tiny config, a few methods and a few tests: does it all run?
 
 
 def saved_bytes(model, x, y):
@@ -157,6 +168,8 @@ def main(argv):
                              'compile_scope': (lambda v: v in COMPILE_SCOPES, ' or '.join(COMPILE_SCOPES)),
                              'compile_mode': (lambda v: v in COMPILE_MODES, ' or '.join(COMPILE_MODES)),
                              'mgr_fallback_p': (lambda v: v >= -1, '-1 (no inversion) or at least 0')})
+    if cfg['suite']:
+        return run_suite(cfg)
     if cfg['config'] not in CONFIGS:
         sys.exit(f"error: config={cfg['config']!r}; choose one of: {', '.join(CONFIGS)}")
     names = ['prenorm'] + [m for m in cfg['methods'].split(',') if m and m != 'prenorm']
@@ -190,6 +203,99 @@ def main(argv):
         results = measure(cfg, names, shape, B, x, y, dev, ctx, backend)
     report(results, cfg, shape, B, dev, dtype_name)
     return results
+
+
+# The suite's benchmarks: (label, bench arguments, methods (None: all), seconds at most): every method
+# eager; the headline methods compiled in torch.compile's default mode and with CUDA graphs.
+SUITE_RUNS = [('eager', [], None, 150),
+              ('compiled', ['--compile=True', '--warmup=2'], 'block_attnres,wav,mgr', 110),
+              ('reduce-overhead', ['--compile=True', '--compile_mode=reduce-overhead', '--warmup=3'],
+               'block_attnres,wav,mgr', 110)]
+SUITE_TESTS_S = 180
+
+
+def run_suite(cfg):
+    """The prepared run for a lent GPU, about 10 minutes: (1) the kernels' tests on CUDA; (2) bench at
+    GPT-2 small's shape (bfloat16) with the Triton kernels, every method eager, the headline methods
+    compiled (default mode, and reduce-overhead: CUDA graphs), each with the profiler's GPU-busy time
+    beside the wall time. Writes suite.json and suite.md (the table the README includes, with the
+    hardware and the versions) into suite_dir. Each part is a child process with a time limit; a part
+    that does not finish is written as such. dry_run: the tiny config on this machine (the kernels
+    through Triton's interpreter), a few tests and methods, no compiling."""
+    if cfg['suite'] != 'gpu':
+        sys.exit(f"error: suite={cfg['suite']!r}; the one suite is 'gpu'")
+    dry, cuda = cfg['dry_run'], torch.cuda.is_available()
+    if not cuda and not dry:
+        sys.exit("error: --suite=gpu needs a CUDA GPU; --dry_run=True runs the same steps, tiny, on this machine")
+    os.makedirs(cfg['suite_dir'], exist_ok=True)
+    env = {**os.environ, **({} if cuda else {'TRITON_INTERPRET': '1'})}
+    here = os.path.dirname(os.path.abspath(__file__))
+    start = time.time()
+
+    def child(args, limit):  # a dry run has no time limits: it checks that everything runs, on any machine
+        limit = None if dry else min(limit, cfg['suite_budget_s'] - (time.time() - start))
+        if limit is not None and limit < 10:
+            return None, 'not run: out of time'
+        try:
+            done = subprocess.run(args, cwd=here, env=env, capture_output=True, text=True, timeout=limit)
+        except subprocess.TimeoutExpired:
+            return None, f'stopped after {limit:.0f} s'
+        lines = (done.stdout + done.stderr).strip().splitlines()
+        return done, lines[-1] if lines else ''
+
+    suite = {'device': torch.cuda.get_device_name() if cuda else 'CPU (dry run)', 'torch': torch.__version__,
+             'triton': getattr(kernels_module.triton, '__version__', None), 'date': time.strftime('%Y-%m-%d'),
+             'config': 'tiny' if dry else 'gpt2', 'runs': {}}
+    tests = ['-k', 'float64 and block_attnres'] if dry else []
+    print(f"suite: the kernels' tests{' (a few)' if dry else ''} on {'CUDA' if cuda else 'the CPU'}", file=sys.stderr)
+    _, suite['tests'] = child([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', 'test_kernels.py', *tests],
+                              SUITE_TESTS_S)
+    for label, extra, methods, limit in SUITE_RUNS:
+        if dry and '--compile=True' in extra:
+            suite['runs'][label] = {'status': 'not run: no compiling in a dry run'}
+            continue
+        methods = 'block_attnres,mgr' if dry else methods
+        path = os.path.join(os.path.abspath(cfg['suite_dir']), f'{label}.json')
+        print(f"suite: bench {label}, {methods or 'every method'}", file=sys.stderr)
+        done, status = child([sys.executable, os.path.abspath(__file__), f"--config={suite['config']}", '--kernels=triton',
+                              '--profile=True', '--isolate=False', f'--json_path={path}', *extra]
+                             + ([f'--methods={methods}'] if methods else []) + (['--steps=1', '--warmup=0'] if dry else []),
+                             limit)
+        if done is not None and done.returncode == 0:
+            with open(path) as f:
+                suite['runs'][label] = {'status': 'done', **json.load(f)}
+        else:
+            suite['runs'][label] = {'status': status if done is None else f'failed: {status}'}
+    with open(os.path.join(cfg['suite_dir'], 'suite.json'), 'w') as f:
+        json.dump(suite, f, indent=1)
+    table = suite_table(suite)
+    with open(os.path.join(cfg['suite_dir'], 'suite.md'), 'w') as f:
+        f.write(table)
+    print(table)
+    return suite
+
+
+def suite_table(suite):
+    """The suite's markdown: every method's step and GPU-busy time x prenorm's, per run."""
+    runs = suite['runs']
+    head = (f"On {suite['device']}, torch {suite['torch']}, triton {suite['triton']}, {suite['date']}; "
+            f"config {suite['config']}, Triton kernels. Kernel tests: {suite['tests']}.\n"
+            + ''.join(f"{label}: {r['status']}.\n" for label, r in runs.items() if r['status'] != 'done') + '\n')
+    done = {label: {r['method']: r for r in run['results']} for label, run in runs.items() if run['status'] == 'done'}
+    if not done:
+        return head
+    cols = ''.join(f" | {label}: step ms | x prenorm | GPU busy x prenorm" for label in done)
+    lines = [f"| method{cols} |", '|---' + '|---:' * 3 * len(done) + '|']
+    methods = list(dict.fromkeys(m for rows in done.values() for m in rows))
+    for m in methods:
+        cells = ''
+        for rows in done.values():
+            r, base = rows.get(m), rows['prenorm']
+            busy = (f"{r['gpu_busy_ms'] / base['gpu_busy_ms']:.2f}" if r and r.get('gpu_busy_ms') and base.get('gpu_busy_ms')
+                    else '')
+            cells += f" | {r['step_ms']:.1f} | {r['ratio']:.2f} | {busy}" if r else ' | | |'
+        lines.append(f"| {m}{cells} |")
+    return head + '\n'.join(lines) + '\n'
 
 
 def isolated(argv, methods):
@@ -247,6 +353,9 @@ def measure(cfg, names, shape, B, x, y, dev, ctx, backend):
                 run['times'].append(dt)
         print(f"  round {i + 1}/{cfg['warmup'] + cfg['steps']} done", file=sys.stderr)
 
+    for run in runs.values():  # the GPU's own time per step: kernel time, without the host's launch gaps
+        run['busy'] = gpu_busy_ms(lambda: train_step(run)) if cfg['profile'] and dev.type == 'cuda' else None
+
     results = []
     base = statistics.median(runs['prenorm']['times'])
     base_saved = runs['prenorm']['saved']
@@ -255,9 +364,17 @@ def measure(cfg, names, shape, B, x, y, dev, ctx, backend):
         results.append(dict(method=name, step_ms=median * 1e3, tokens_per_s=B * T / median,
                             ratio=median / base, params=run['model'].get_num_params(),
                             saved_mb=run['saved'] / 2**20, saved_ratio=run['saved'] / base_saved,
-                            first_step_s=run['first'],
+                            first_step_s=run['first'], gpu_busy_ms=run['busy'],
                             peak_gib=torch.cuda.max_memory_allocated() / 2**30 if dev.type == 'cuda' else 0.0))
     return results
+
+
+def gpu_busy_ms(step, steps=2):
+    """The time the GPU spends in kernels per step, from the profiler (ms)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / steps / 1e3
 
 
 def report(results, cfg, shape, B, dev, dtype_name):
@@ -270,6 +387,10 @@ def report(results, cfg, shape, B, dev, dtype_name):
               (f" {r['first_step_s']:>10.1f}" if cfg['compile'] else ''))
     if cfg['compile']:
         print(f"compile s: the first step, compilation included; {sum(r['first_step_s'] for r in results):.0f} s in all")
+    if results[0].get('gpu_busy_ms') is not None:
+        base = results[0]['gpu_busy_ms']
+        print('GPU busy ms per step (x prenorm): ' + ', '.join(f"{r['method']} {r['gpu_busy_ms']:.1f} "
+                                                             f"({r['gpu_busy_ms'] / base:.2f})" for r in results))
     if 'step_ms_each' in results[0]:
         print(f"prenorm beside each method: {min(results[0]['step_ms_each']):.1f} to "
               f"{max(results[0]['step_ms_each']):.1f} ms a step (its row: the median)")

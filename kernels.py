@@ -477,6 +477,110 @@ def block_attnres(module, x, sublayers, backend, mgr_fallback_p):
     return read_all(queries[L], sources, None, backend)
 
 
+def rms_match_torch(details, state, rho, eps=1e-6):
+    """WAV's detached RMS matching of several details to one state (residuals.rms_match for each):
+    D~ = s D, s = min(rho, RMS(C) / (RMS(D) + eps)) per token, detached. Norms instead of
+    pow/mean/sqrt, and RMS(C) once: about half the operators."""
+    C = state.shape[-1]
+    norm = lambda v: torch.linalg.vector_norm(v, dim=-1, keepdim=True, dtype=upcast(v).dtype)
+    with torch.no_grad():
+        state_norm = norm(state)
+        scales = [(state_norm / (norm(d) + eps * math.sqrt(C))).clamp_(max=rho) for d in details]
+    return [d * s.to(d.dtype) for d, s in zip(details, scales)]
+
+
+def rms_match(details, state, rho, backend):
+    """The matched details D~_d of `details` against the state (WAV)."""
+    if not details:
+        return []
+    if backend == 'triton':
+        return _triton_rms_match(state, list(details), rho)[0]
+    return rms_match_torch(details, state, rho)
+
+
+if triton is not None:
+    @triton.jit
+    def _rms_match_fwd(table, out_table, STATE, SCALE, D, N, C, rho, eps, ACC: tl.constexpr, BC: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BC)
+        cmask = cols < C
+        c = tl.load(STATE + t * C + cols, mask=cmask, other=0.).to(ACC)
+        rms_c = tl.sqrt(tl.sum(c * c, axis=0) / C)
+        for d in range(D):  # every detail against the same state, each read once
+            ptr = tl.load(table + d).to(tl.pointer_type(STATE.dtype.element_ty))
+            v = tl.load(ptr + t * C + cols, mask=cmask, other=0.).to(ACC)
+            scale = tl.minimum(rms_c / (tl.sqrt(tl.sum(v * v, axis=0) / C) + eps), rho)
+            out = tl.load(out_table + d).to(tl.pointer_type(STATE.dtype.element_ty))
+            tl.store(out + t * C + cols, (v * scale).to(STATE.dtype.element_ty), mask=cmask)
+            tl.store(SCALE + d * N + t, scale)
+
+    @triton.jit
+    def _rms_match_bwd(grad_table, out_table, SCALE, D, N, C, BC: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BC)
+        cmask = cols < C
+        for d in range(D):  # the scale is detached: each detail's gradient is the output's, scaled
+            g_ptr = tl.load(grad_table + d).to(tl.pointer_type(SCALE.dtype.element_ty))
+            g = tl.load(g_ptr + t * C + cols, mask=cmask, other=0.)
+            out = tl.load(out_table + d).to(tl.pointer_type(SCALE.dtype.element_ty))
+            tl.store(out + t * C + cols, g * tl.load(SCALE + d * N + t), mask=cmask)
+
+
+@torch.library.custom_op('resroute::rms_match', mutates_args=())
+def _triton_rms_match(state: Tensor, details: List[Tensor], rho: float) -> Tuple[List[Tensor], Tensor]:
+    dtype = common_dtype([state, *details])
+    acc, acc_tl = accumulator(dtype)
+    state, details = state.to(dtype).contiguous(), promoted(details, dtype)
+    N, C = state.numel() // state.shape[-1], state.shape[-1]
+    matched = [torch.empty_like(d) for d in details]
+    scales = torch.empty((len(details), N), device=state.device, dtype=acc)
+    _rms_match_fwd[(N,)](_address_table(details), _address_table(matched), state, scales, len(details), N, C, rho,
+                         1e-6, ACC=acc_tl, BC=next_pow2(C))
+    return matched, scales
+
+
+@_triton_rms_match.register_fake
+def _(state, details, rho):
+    dtype = common_dtype([state, *details])
+    return ([torch.empty_like(d, dtype=dtype) for d in details],
+            state.new_empty((len(details), state.numel() // state.shape[-1]), dtype=accumulator(dtype)[0]))
+
+
+@torch.library.custom_op('resroute::rms_match_backward', mutates_args=())
+def _triton_rms_match_backward(grads: List[Tensor], scales: Tensor) -> List[Tensor]:
+    grads = promoted(grads, scales.dtype)
+    N, C = scales.shape[1], grads[0].shape[-1]
+    out = [torch.empty_like(g) for g in grads]
+    _rms_match_bwd[(N,)](_address_table(grads), _address_table(out), scales, len(grads), N, C, BC=next_pow2(C))
+    return out
+
+
+@_triton_rms_match_backward.register_fake
+def _(grads, scales):
+    return [torch.empty_like(g, dtype=scales.dtype) for g in grads]
+
+
+def _rms_match_setup(ctx, inputs, output):
+    ctx.save_for_backward(output[1])
+    ctx.dtypes = [d.dtype for d in inputs[1]]
+    ctx.set_materialize_grads(False)  # an unread matched detail gets no gradient, rather than zeros
+
+
+def _rms_match_grads(ctx, grad_matched, grad_scales):
+    """The scales are detached: each detail's gradient is its output's times its scale."""
+    scales, = ctx.saved_tensors
+    used = [k for k, g in enumerate(grad_matched) if g is not None]
+    grads = [None] * len(grad_matched)
+    if used:
+        scales = scales if len(used) == len(grads) else scales[used]
+        for k, g in zip(used, _triton_rms_match_backward([grad_matched[k] for k in used], scales)):
+            grads[k] = g.to(ctx.dtypes[k])
+    return None, grads, None
+
+
+_triton_rms_match.register_autograd(_rms_match_grads, setup_context=_rms_match_setup)
+
+
 def wav_plan(module, L):
     """The types of the sources of every read of one WAV forward (-1: e, a block sum or PC; d >= 0: a
     detail of type d): per block (start, m, the finished pool's types, and for each sublayer k the
@@ -535,15 +639,22 @@ def wav(module, x, sublayers, backend, mgr_fallback_p):
     sources = [x]  # the finished pool
     for start, m, _, own in blocks:
         coeffs = detail_signs(m, module.levels) if module.basis_delta is None else module.basis(m)
+        # a fixed basis may repeat a row (m = 2: phase and split are both (+1, -1)): accumulated once
+        same = [coeffs.index(row) if module.basis_delta is None else d for d, row in enumerate(coeffs)]
         finished = read_many(rows_of(queries, start, m), sources, next(biases), backend)
         partial = raw = None  # PC and the raw partial details P_d
         for k in range(m):
-            more = [] if k == 0 else [partial] + [module.match(raw[d], partial) for d in own[k][1:]]
+            more = [] if k == 0 else [partial] + rms_match([raw[d] for d in own[k][1:]], partial, module.rho, backend)
             h = read_on(finished[k], queries[start + k], more, next(biases) if k else None, backend)
             u = sublayers[start + k](h)
             partial = u if partial is None else partial + u
-            raw = [accumulate(None if raw is None else raw[d], coeffs[d][k], u) for d in range(len(coeffs))]
-        sources = sources + [partial] + [module.match(raw[d], partial) for d in module.begun(m, m)]
+            raw = [accumulate(None if raw is None else raw[d], coeffs[d][k], u) if same[d] == d else None
+                   for d in range(len(coeffs))]
+            raw = [raw[same[d]] for d in range(len(coeffs))]
+        begun = module.begun(m, m)
+        read_later = module.detail_readout or start + m < L  # (the last block's details: only by a detail readout)
+        sources = sources + [partial] + (rms_match([raw[d] for d in begun], partial, module.rho, backend) if read_later
+                                         else [None] * len(begun))
     if not module.detail_readout:
         sources = [s for s, t in zip(sources, types) if t < 0]
     return read_all(queries[L], sources, next(biases), backend)
@@ -610,7 +721,9 @@ class StreamMix(torch.autograd.Function):
         i = segment.start + len(segment.connections)
         dense = H.contiguous()  # e's n copies are a stride-0 view, kept as such; products with it are slow
         A, post = connect(i, None if W is None else rms_projection(projected_rows(dense, W), W)[1])
-        segment.connections.append((A, post))
+        # post.detach(), not the output itself: its grad_fn would hold this ctx, which holds the segment:
+        # a cycle through autograd's graph that the garbage collector cannot free (27 MB a step leaked)
+        segment.connections.append((A, post.detach()))
         # the segment keeps its input streams and the connections; saved here too, so that autograd
         # checks them for in-place changes and memory accounting sees them
         ctx.save_for_backward(H if i == segment.start else None, W, A, post, *params)

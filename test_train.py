@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 
+import kernels
 import model
 import sample
 import train
@@ -384,6 +385,23 @@ def test_compile_says_that_it_compiles_and_passes_the_mode_through(tmp_path, dat
     assert 'compiling each sublayer' in capsys.readouterr().err and compiled == ['default']
     assert 'model or sublayers' in exit_message(train.main, ['--compile_scope=blocks'])
     assert 'default or reduce-overhead or max-autotune' in exit_message(train.main, ['--compile_mode=fast'])
+
+
+@pytest.mark.skipif(kernels.triton is None, reason='triton is not installed (pip install triton; Linux)')
+def test_the_gpu_suite_runs_dry_on_a_cpu(tmp_path):
+    """bench.py --suite=gpu, prepared for a lent GPU, runs the same steps tiny on a CPU: a few kernel
+    tests, the eager benchmark through the Triton interpreter, its JSON and markdown table; and it
+    refuses to start for real without a GPU."""
+    import bench
+    if not torch.cuda.is_available():
+        assert 'needs a CUDA GPU' in exit_message(bench.main, ['--suite=gpu', f'--suite_dir={tmp_path}'])
+    suite = bench.main(['--suite=gpu', '--dry_run=True', f'--suite_dir={tmp_path}'])
+    assert 'passed' in suite['tests'] and 'failed' not in suite['tests']
+    assert suite['runs']['eager']['status'] == 'done' and suite['runs']['compiled']['status'].startswith('not run')
+    assert [r['method'] for r in suite['runs']['eager']['results']] == ['prenorm', 'block_attnres', 'mgr']
+    table = (tmp_path / 'suite.md').read_text()
+    assert 'torch ' + torch.__version__ in table and '| mgr |' in table
+    assert json.loads((tmp_path / 'suite.json').read_text())['config'] == 'tiny'
 
 
 @pytest.mark.parametrize('script', ['train.py', 'sample.py', 'bench.py', 'analyze.py', 'sweep.py', 'data.py'])
