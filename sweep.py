@@ -1,7 +1,7 @@
 """
 Run a grid of experiments over seeds, keep each run's result, and compare the methods pair by pair.
 
-    python sweep.py cpu_methods --jobs=2      # run (skips finished runs, resumes interrupted ones)
+    python sweep.py cpu_methods --jobs=2      # run (skips runs with a result file, resumes interrupted ones)
     python sweep.py cpu_methods --report      # table and plot from results/cpu_methods/*.json, no training
     python sweep.py char --print              # the commands, one per line, for a cluster scheduler
 
@@ -103,8 +103,11 @@ def read_log(out_dir):
         return [json.loads(line) for line in f if line.strip()]
 
 
-def state(run):
-    """'done', 'interrupted' (a checkpoint to resume) or 'new'."""
+def state(run, results_dir):
+    """'done' (its result file exists, e.g. committed from another machine, or its log ends
+    finished), 'interrupted' (a checkpoint to resume) or 'new'."""
+    if os.path.exists(result_path(run, results_dir)):
+        return 'done'
     log = read_log(run['out_dir'])
     events = [r.get('event') for r in log if 'event' in r]
     if events and events[-1] == 'done':
@@ -113,7 +116,7 @@ def state(run):
 
 
 def command(run):
-    resume = ['--init_from=resume'] if state(run) == 'interrupted' else []
+    resume = ['--init_from=resume'] if os.path.exists(os.path.join(run['out_dir'], 'ckpt.pt')) else []
     return [sys.executable, os.path.join(ROOT, 'train.py'), *run['args'], *resume]
 
 
@@ -121,7 +124,7 @@ def execute(runs, jobs, results_dir):
     """Run sequentially, or `jobs` at a time with the cores shared among them (at small widths
     two single-threaded runs do more work than one run on two threads); write each finished run's
     result file."""
-    todo = [run for run in runs if state(run) != 'done']
+    todo = [run for run in runs if state(run, results_dir) != 'done']
     print(f"{len(runs) - len(todo)} of {len(runs)} runs already done; {len(todo)} to run, {jobs} at a time", flush=True)
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // jobs)))
     start = time.time()
@@ -397,7 +400,7 @@ def main(argv):
     grid, runs = grids[0], list(runs_of(grids[0], opts['runs_dir']))
     if 'print' in flags:
         for run in runs:
-            if state(run) != 'done':
+            if state(run, opts['results_dir']) != 'done':
                 print(' '.join(['python', *command(run)[1:]]).replace(ROOT + os.sep, ''))
     elif 'report' in flags:
         print(report(grid, opts['runs_dir'], opts['results_dir']))

@@ -142,16 +142,16 @@ def test_sweep_runs_a_grid_skips_finished_runs_resumes_interrupted_ones_and_repo
     runs = list(sweep.runs_of('tiny', runs_dir))
     assert len(runs) == 4 and len({r['out_dir'] for r in runs}) == 4
     sweep.execute(runs[:3], 2, results_dir)
-    assert [sweep.state(r) for r in runs] == ['done', 'done', 'done', 'new']
+    assert [sweep.state(r, results_dir) for r in runs] == ['done', 'done', 'done', 'new']
     assert len(list((tmp_path / 'results' / 'tiny').glob('*.json'))) == 3
     # an interrupted run: a checkpoint at iter 2 and no 'done' event
     result = run_cli('train.py', *runs[3]['args'], '--max_iters=2', cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     log = (Path(runs[3]['out_dir']) / 'log.jsonl')
     log.write_text(''.join(line for line in log.read_text().splitlines(True) if '"done"' not in line))
-    assert sweep.state(runs[3]) == 'interrupted' and '--init_from=resume' in sweep.command(runs[3])
+    assert sweep.state(runs[3], results_dir) == 'interrupted' and '--init_from=resume' in sweep.command(runs[3])
     sweep.execute(runs, 1, results_dir)  # runs only the interrupted one
-    assert all(sweep.state(r) == 'done' for r in runs)
+    assert all(sweep.state(r, results_dir) == 'done' for r in runs)
     finals = {(r['method'], r['seed']): sweep.read_log(r['out_dir'])[-1]['val_loss'] for r in runs}
     markdown = sweep.report('tiny', runs_dir, results_dir)
     prenorm = [finals[('prenorm', s)] for s in (0, 1)]
@@ -161,8 +161,10 @@ def test_sweep_runs_a_grid_skips_finished_runs_resumes_interrupted_ones_and_repo
     row = next(line for line in markdown.splitlines() if '| block_attnres |' in line)
     assert f"{np.mean(diffs):+.4f} +- {half:.4f}" in row and row.endswith('| - |')  # not compared with itself
     assert (tmp_path / 'results' / 'tiny' / 'results.md').read_text() == markdown
-    shutil.rmtree(runs_dir)  # the committed result files alone rebuild the same table
+    shutil.rmtree(runs_dir)  # a fresh clone: the committed result files alone rebuild the same table
     assert sweep.report('tiny', runs_dir, results_dir) == markdown
+    sweep.execute(runs, 1, results_dir)  # and count as done: nothing runs again
+    assert not Path(runs_dir).exists()
 
 
 
