@@ -39,9 +39,9 @@ FINEWEB_VARIANTS = [['--residual=prenorm'], ['--residual=mhc_lite'], ['--residua
                     ['--residual=attnres']] + [['--residual=mgr', f'--mgr_gate={gate}', f'--mgr_streams={n}']
                                                for n in (4, 8) for gate in ('independent', 'competitive')]
 GRIDS = {
-    # the CPU depth trend: prenorm, block_attnres and wav at 24, 12 and 6 layers of width 64, three seeds.
+    # the CPU depth trend: prenorm, block_attnres and wav at 48, 24 and 12 layers of width 64, three seeds.
     # Deepest first: the long runs start early and the short ones fill in, so both jobs end together.
-    'cpu_depth': dict(configs=[['config/cpu_depth.py', f'--n_layer={n}'] for n in (24, 12, 6)],
+    'cpu_depth': dict(configs=[['config/cpu_depth.py', f'--n_layer={n}'] for n in (48, 24, 12)],
                       variants=[[f'--residual={r}'] for r in ('prenorm', 'block_attnres', 'wav')],
                       seeds=[0, 1, 2]),
     # the learning rate of cpu_methods: prenorm and block_attnres at four rates, one seed
