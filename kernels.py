@@ -35,7 +35,10 @@ HC and mHC-lite keep n copies of the stream; plain autograd saves them at every 
 prenorm's activation memory). The twin keeps only each segment's input streams, the sublayers'
 updates and connections (a few numbers per token), rebuilds the streams in the backward as the mHC
 paper recomputes its kernels (1.2x), and writes the mixing's and the RMS projection's gradients by
-hand: one batched product per token for the mixing, none of autograd's per-op copies.
+hand: one batched product per token for the mixing, none of autograd's per-op copies. With Triton,
+a sublayer's step (the streams' RMS, the connections from the projection XW, the mixing) is one
+kernel forward and one backward, the projection's GEMMs beside them; the replay reuses the forward
+kernel on the saved XW.
 
 MGR step: the gates, the streams' convex update and the next sublayer's AttnPool in one pass over
 the streams. Its backward can rebuild the input streams from the output streams by inverting the
@@ -685,8 +688,8 @@ class StreamSegment:
     state inside it is rebuilt from these by the forward's own ops: H_{j+1} = A_j^T H_j (rows 1..n)
     + post_j f_j."""
 
-    def __init__(self, start, streams):
-        self.start, self.streams = start, streams.detach()
+    def __init__(self, start, streams, step):
+        self.start, self.streams, self.step = start, streams.detach(), step  # step(H, connection, update) -> next H
         self.connections, self.updates, self.rebuilt = [], [], {}
 
     def streams_at(self, i, autocast):
@@ -698,8 +701,7 @@ class StreamSegment:
                 for j in range(self.start, i + 1):
                     self.rebuilt[j] = H
                     if j < i:
-                        (A, post), update = self.connections[j - self.start], self.updates[j - self.start]
-                        H = advance(stream_mixing(A, H)[..., 1:, :], post, update)
+                        H = self.step(H, self.connections[j - self.start], self.updates[j - self.start])
         return self.rebuilt.pop(i)
 
 
@@ -779,19 +781,39 @@ def streams(coefficients, module, x, sublayers, backend, mgr_fallback_p):
     H = x.unsqueeze(-2).expand(*x.shape[:-1], module.n, x.shape[-1])  # e copied into n streams, as residuals.copies
     if torch.compiler.is_compiling():
         return compiled_streams(module, connections, connect, H, sublayers)
-    params = list(connections.parameters())
     length = max(1, round(math.sqrt(len(sublayers))))
-    # every sublayer's projection W_i at once: one backward node gathers their gradients (proj[i]
-    # would give each sublayer a full-size zero gradient with one row set)
+    # every sublayer's parameters at once: one backward node gathers their gradients (proj[i] would
+    # give each sublayer a full-size zero gradient with one row set)
     projections = connections.proj.unbind() if hasattr(connections, 'proj') else [None] * len(sublayers)
+    if backend == 'triton':
+        kind, own = triton_stream_params(connections)
+        mix = lambda H, i, segment: TritonStreamMix.apply(H, projections[i], segment, kind, *own[i])
+        step = lambda H, c, u: advance(_triton_stream_mix(H, c[0], list(c[2]), kind, True)[1], c[1], u)
+    else:
+        params = list(connections.parameters())
+        mix = lambda H, i, segment: StreamMix.apply(H, projections[i], segment, connect, *params)
+        step = lambda H, c, u: advance(stream_mixing(c[0], H)[..., 1:, :], c[1], u)
     for i, f in enumerate(sublayers):
         if i % length == 0:
-            segment = StreamSegment(i, H)
-        h, mixed, post = StreamMix.apply(H, projections[i], segment, connect, *params)
+            segment = StreamSegment(i, H, step)
+        h, mixed, post = mix(H, i, segment)
         update = f(h)
         segment.updates.append(update.detach())
-        H = advance(mixed, post, update)
+        H = (Advance.apply if backend == 'triton' else advance)(mixed, post, update)
     return module.readout(H)
+
+
+def triton_stream_params(connections):
+    """The kind of step and each sublayer's parameters for the kernels (each parameter unbound once):
+    HC [width, depth, s_a, s_b] (static: [width, depth]), mHC-lite [alpha, bias, the permutations as
+    stream indices]."""
+    if hasattr(connections, 'permutations'):
+        perm = connections.permutations.argmax(-1).to(torch.int32)
+        return MHC, [(a, b, perm) for a, b in zip(connections.alpha.unbind(), connections.bias.unbind())]
+    if connections.dynamic:
+        return HC, list(zip(connections.width.unbind(), connections.depth.unbind(), connections.width_scale.unbind(),
+                            connections.depth_scale.unbind()))
+    return HC_STATIC, list(zip(connections.width.unbind(), connections.depth.unbind()))
 
 
 def compiled_streams(module, connections, connect, H, sublayers):
@@ -810,6 +832,324 @@ def mhc_connect(coefficients, i, projected):
     """mHC-lite: A = [H_pre | H_res^T] (n, n+1), post = H_post."""
     h_pre, h_post, h_res = coefficients.connect(i, projected)
     return torch.cat([h_pre.unsqueeze(-1), h_res.transpose(-1, -2)], -1), h_post
+
+
+# ----------------------------------------------------------------------------- HC and mHC-lite: the Triton step
+#
+# One kernel per sublayer forward: the RMS of the streams, the connections from the projection XW (one
+# GEMM outside, by cuBLAS), the mixing A^T H and the outputs h, H', post. One kernel backward, on the
+# rebuilt streams: the mixing's and the connections' gradients, the RMS part of the projection's, and each
+# program's partial sums of the small parameters' gradients (no atomics); the projection's two GEMMs stay
+# outside. The streams are rebuilt by the same forward kernel from the saved XW (a few numbers per token),
+# and H <- H' + post^T f(h) has a one-kernel backward. Kinds: HC (dynamic), HC static, mHC-lite.
+HC, HC_STATIC, MHC = 0, 1, 2
+STREAM_BC = 256  # columns per pass: the (n + 1, n, BC) products stay small in registers
+
+if triton is not None:
+    @triton.jit
+    def _sigmoid(x):
+        return 1 / (1 + tl.exp(-x))
+
+    @triton.jit
+    def _stream_connect(XW, P0, P1, P2, P3, t, r, n, K, n_perm, KIND: tl.constexpr, ACC: tl.constexpr,
+                        NP: tl.constexpr, NP1: tl.constexpr, PP: tl.constexpr):
+        """Token t's connections A^T (NP1, NP) (row 0 reads h, rows 1..n the streams H') and post (NP,),
+        from XW (HC: (n, K) per token, K = n + 2; mHC: (K,), K = 2n + n!) and r: 1/RMS per stream (NP,)
+        for HC, of all n streams together for mHC. Also returns what the backward needs: HC: P^T, its
+        tanh, the depth column's P and tanh; mHC: the permutation table, the softmax weights, P's parts."""
+        k, j, p = tl.arange(0, NP), tl.arange(0, NP1), tl.arange(0, PP)
+        kmask, jmask, pmask = k < n, j < n + 1, p < n_perm
+        m2 = jmask[:, None] & kmask[None, :]
+        if KIND == 2:  # mHC-lite: P0 alpha (3), P1 bias (K), P2 the permutations (n!, n) as stream indices
+            a_pre, a_post, a_res = tl.load(P0).to(ACC), tl.load(P0 + 1).to(ACC), tl.load(P0 + 2).to(ACC)
+            p_pre = r * tl.load(XW + t * K + k, mask=kmask, other=0.).to(ACC)
+            p_post = r * tl.load(XW + t * K + n + k, mask=kmask, other=0.).to(ACC)
+            p_res = r * tl.load(XW + t * K + 2 * n + p, mask=pmask, other=0.).to(ACC)
+            h_pre = _sigmoid(a_pre * p_pre + tl.load(P1 + k, mask=kmask, other=0.).to(ACC))
+            post = 2 * _sigmoid(a_post * p_post + tl.load(P1 + n + k, mask=kmask, other=0.).to(ACC))
+            z = tl.where(pmask, a_res * p_res + tl.load(P1 + 2 * n + p, mask=pmask, other=0.).to(ACC), float('-inf'))
+            w = tl.exp(z - tl.max(z, axis=0))
+            w = w / tl.sum(w, axis=0)
+            # perm[p, j]: the stream that row j of permutation p reads (-1 outside); row j of A^T is H_res row j-1
+            perm = tl.load(P2 + p[:, None] * n + j[None, :] - 1, mask=pmask[:, None] & (j[None, :] >= 1) & jmask[None, :],
+                           other=-1)
+            AT = tl.sum(tl.where(perm[:, :, None] == k[None, None, :], w[:, None, None], 0.), axis=0)
+            AT = tl.where(j[:, None] == 0, h_pre[None, :], AT)
+            return AT, post, perm, w, p_pre, p_post, p_res, h_pre
+        else:  # HC: P0 width (n, n+1), P1 depth (n,), P2 s_a, P3 s_b
+            AT = tl.load(P0 + k[None, :] * (n + 1) + j[:, None], mask=m2, other=0.).to(ACC)
+            post = tl.load(P1 + k, mask=kmask, other=0.).to(ACC)
+            PT = tl.zeros((NP1, NP), ACC)
+            TT = tl.zeros((NP1, NP), ACC)
+            pb = tl.zeros((NP,), ACC)
+            tb = tl.zeros((NP,), ACC)
+            if KIND == 0:
+                PT = r[None, :] * tl.load(XW + t * n * K + k[None, :] * K + j[:, None], mask=m2, other=0.).to(ACC)
+                TT = 2 * _sigmoid(2 * PT) - 1  # tanh
+                AT += tl.load(P2).to(ACC) * TT
+                pb = r * tl.load(XW + t * n * K + k * K + n + 1, mask=kmask, other=0.).to(ACC)
+                tb = 2 * _sigmoid(2 * pb) - 1
+                post += tl.load(P3).to(ACC) * tb
+            return AT, post, PT, TT, pb, tb, pb, pb
+
+    @triton.jit
+    def _stream_rms(ss, n, C, eps, KIND: tl.constexpr):
+        """r from the streams' sums of squares ss (NP,): per stream (HC), or one for all n streams (mHC)."""
+        if KIND == 2:
+            return 1 / tl.sqrt(tl.sum(ss, axis=0) / (n * C) + eps)
+        else:
+            return 1 / tl.sqrt(ss / C + eps)
+
+    @triton.jit
+    def _stream_mix_fwd(H, XW, P0, P1, P2, P3, OUT_H, OUT_MIXED, OUT_POST, stride_t, stride_k, n, C, K, n_perm, eps,
+                        KIND: tl.constexpr, MIXED_ONLY: tl.constexpr, ACC: tl.constexpr, NP: tl.constexpr,
+                        NP1: tl.constexpr, PP: tl.constexpr, BC: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        k, j, c = tl.arange(0, NP), tl.arange(0, NP1), tl.arange(0, BC)
+        kmask = k < n
+        ss = tl.zeros((NP,), ACC)
+        for c0 in range(0, C, BC):  # the streams' sums of squares, BC columns at a time
+            cols = c0 + c
+            HT = tl.load(H + t * stride_t + k[:, None] * stride_k + cols[None, :], mask=kmask[:, None] & (cols < C)[None, :],
+                         other=0.).to(ACC)
+            ss += tl.sum(HT * HT, axis=1)
+        r = _stream_rms(ss, n, C, eps, KIND)
+        AT, post, X1, X2, X3, X4, X5, X6 = _stream_connect(XW, P0, P1, P2, P3, t, r, n, K, n_perm, KIND, ACC, NP, NP1,
+                                                           PP)
+        out = OUT_MIXED.dtype.element_ty
+        for c0 in range(0, C, BC):  # A^T H: row 0 is h, rows 1..n are H'
+            cols = c0 + c
+            cmask = cols < C
+            HT = tl.load(H + t * stride_t + k[:, None] * stride_k + cols[None, :], mask=kmask[:, None] & cmask[None, :],
+                         other=0.).to(ACC)
+            mixed = tl.sum(AT[:, :, None] * HT[None, :, :], axis=1)
+            tl.store(OUT_MIXED + t * n * C + (j[:, None] - 1) * C + cols[None, :], mixed.to(out),
+                     mask=(j[:, None] >= 1) & (j[:, None] < n + 1) & cmask[None, :])
+            if not MIXED_ONLY:
+                tl.store(OUT_H + t * C + j[:, None] * 0 + cols[None, :], mixed.to(out), mask=(j[:, None] == 0) & cmask[None, :])
+        if not MIXED_ONLY:
+            tl.store(OUT_POST + t * n + k, post.to(OUT_POST.dtype.element_ty), mask=kmask)
+
+    @triton.jit
+    def _stream_mix_bwd(H, XW, P0, P1, P2, P3, G_H, G_MIXED, G_POST, D_H, D_XW, PART, stride_t, stride_k, N, n, C, K,
+                        n_perm, n_part, eps, KIND: tl.constexpr, ACC: tl.constexpr, NP: tl.constexpr,
+                        NP1: tl.constexpr, PP: tl.constexpr, BC: tl.constexpr):
+        pid, programs = tl.program_id(0), tl.num_programs(0)
+        k, j, p, c = tl.arange(0, NP), tl.arange(0, NP1), tl.arange(0, PP), tl.arange(0, BC)
+        kmask, jmask, pmask = k < n, j < n + 1, p < n_perm
+        m2 = jmask[:, None] & kmask[None, :]
+        # each program's sums over its tokens: HC width^T (NP1, NP), depth, s_a, s_b; mHC alpha, bias
+        d_AT = tl.zeros((NP1, NP), ACC)
+        d_post = tl.zeros((NP,), ACC)
+        d_pre = tl.zeros((NP,), ACC)
+        d_z = tl.zeros((PP,), ACC)
+        e = tl.arange(0, 4)
+        d_a = tl.zeros((4,), ACC)  # s_a, s_b (HC) or a_pre, a_post, a_res (mHC)
+        for token in range(pid, N, programs):
+            t = pid.to(tl.int64) + (token - pid)
+            g_post = tl.load(G_POST + t * n + k, mask=kmask, other=0.).to(ACC)
+            g_AT = tl.zeros((NP1, NP), ACC)  # d loss / d A^T[j, s] = G_j . H_s, G_0 the gradient of h, G_j of H'_j
+            ss = tl.zeros((NP,), ACC)
+            for c0 in range(0, C, BC):
+                cols = c0 + c
+                cmask = cols < C
+                HT = tl.load(H + t * stride_t + k[:, None] * stride_k + cols[None, :],
+                             mask=kmask[:, None] & cmask[None, :], other=0.).to(ACC)
+                G = tl.load(G_MIXED + t * n * C + (j[:, None] - 1) * C + cols[None, :],
+                            mask=(j[:, None] >= 1) & jmask[:, None] & cmask[None, :], other=0.).to(ACC)
+                G += tl.load(G_H + t * C + j[:, None] * 0 + cols[None, :], mask=(j[:, None] == 0) & cmask[None, :],
+                             other=0.).to(ACC)
+                g_AT += tl.sum(G[:, None, :] * HT[None, :, :], axis=2)
+                ss += tl.sum(HT * HT, axis=1)
+            r = _stream_rms(ss, n, C, eps, KIND)
+            AT, post, X1, X2, X3, X4, X5, X6 = _stream_connect(XW, P0, P1, P2, P3, t, r, n, K, n_perm, KIND, ACC,
+                                                               NP, NP1, PP)
+            corr = tl.zeros((NP,), ACC)  # (r^2 / D) dP . P per projected row: the RMS's share of d H
+            if KIND == 2:
+                perm, w, p_pre, p_post, p_res, h_pre = X1, X2, X3, X4, X5, X6
+                a_pre, a_post, a_res = tl.load(P0).to(ACC), tl.load(P0 + 1).to(ACC), tl.load(P0 + 2).to(ACC)
+                du = tl.sum(tl.where(j[:, None] == 0, g_AT, 0.), axis=0) * h_pre * (1 - h_pre)
+                dv = g_post * post * (1 - post / 2)
+                # d loss / d w_p = sum_j g_AT[j, perm_p(j)]
+                g_w = tl.sum(tl.sum(tl.where(perm[:, :, None] == k[None, None, :], g_AT[None, :, :], 0.), axis=2), axis=1)
+                dz = w * (g_w - tl.sum(w * g_w, axis=0))
+                dtype = D_XW.dtype.element_ty
+                tl.store(D_XW + t * K + k, (r * a_pre * du).to(dtype), mask=kmask)
+                tl.store(D_XW + t * K + n + k, (r * a_post * dv).to(dtype), mask=kmask)
+                tl.store(D_XW + t * K + 2 * n + p, (r * a_res * dz).to(dtype), mask=pmask)
+                s_pre, s_post, s_res = tl.sum(du * p_pre, axis=0), tl.sum(dv * p_post, axis=0), tl.sum(dz * p_res, axis=0)
+                corr += r * r * (a_pre * s_pre + a_post * s_post + a_res * s_res) / (n * C)
+                d_pre += du
+                d_post += dv
+                d_z += dz
+                d_a += tl.where(e == 0, s_pre, tl.where(e == 1, s_post, tl.where(e == 2, s_res, 0.)))
+            else:
+                d_AT += g_AT
+                d_post += g_post
+                if KIND == 0:
+                    PT, TT, pb, tb = X1, X2, X3, X4
+                    s_a, s_b = tl.load(P2).to(ACC), tl.load(P3).to(ACC)
+                    dPT = s_a * (1 - TT * TT) * g_AT
+                    dpb = s_b * (1 - tb * tb) * g_post
+                    dtype = D_XW.dtype.element_ty
+                    tl.store(D_XW + t * n * K + k[None, :] * K + j[:, None], (r[None, :] * dPT).to(dtype), mask=m2)
+                    tl.store(D_XW + t * n * K + k * K + n + 1, (r * dpb).to(dtype), mask=kmask)
+                    corr = r * r * (tl.sum(dPT * PT, axis=0) + dpb * pb) / C
+                    d_a += tl.where(e == 0, tl.sum(tl.sum(TT * g_AT, axis=1), axis=0), 0.)
+                    d_a += tl.where(e == 1, tl.sum(tb * g_post, axis=0), 0.)
+            for c0 in range(0, C, BC):  # d H_s = sum_j A^T[j, s] G_j - corr_s H_s
+                cols = c0 + c
+                cmask = cols < C
+                HT = tl.load(H + t * stride_t + k[:, None] * stride_k + cols[None, :],
+                             mask=kmask[:, None] & cmask[None, :], other=0.).to(ACC)
+                G = tl.load(G_MIXED + t * n * C + (j[:, None] - 1) * C + cols[None, :],
+                            mask=(j[:, None] >= 1) & jmask[:, None] & cmask[None, :], other=0.).to(ACC)
+                G += tl.load(G_H + t * C + j[:, None] * 0 + cols[None, :], mask=(j[:, None] == 0) & cmask[None, :],
+                             other=0.).to(ACC)
+                dH = tl.sum(AT[:, :, None] * G[:, None, :], axis=0) - corr[:, None] * HT
+                tl.store(D_H + t * n * C + k[:, None] * C + cols[None, :], dH.to(D_H.dtype.element_ty),
+                         mask=kmask[:, None] & cmask[None, :])
+        part = PART + pid * n_part
+        if KIND == 2:  # [alpha (3) | bias: pre (n), post (n), res (n!)]
+            tl.store(part + e, d_a, mask=e < 3)
+            tl.store(part + 3 + k, d_pre, mask=kmask)
+            tl.store(part + 3 + n + k, d_post, mask=kmask)
+            tl.store(part + 3 + 2 * n + p, d_z, mask=pmask)
+        else:  # [width (n, n+1) | depth (n) | s_a, s_b]
+            tl.store(part + k[None, :] * (n + 1) + j[:, None], d_AT, mask=m2)
+            tl.store(part + n * (n + 1) + k, d_post, mask=kmask)
+            if KIND == 0:
+                tl.store(part + n * (n + 1) + n + e, d_a, mask=e < 2)
+
+    @triton.jit
+    def _advance_bwd(G, U, POST, D_U, D_POST, n, C, ACC: tl.constexpr, NP: tl.constexpr, BC: tl.constexpr):
+        """H = H' + post^T u: d u = sum_s post_s G_s, d post_s = G_s . u, per token."""
+        t = tl.program_id(0).to(tl.int64)
+        k, c = tl.arange(0, NP), tl.arange(0, BC)
+        kmask = k < n
+        post = tl.load(POST + t * n + k, mask=kmask, other=0.).to(ACC)
+        d_post = tl.zeros((NP,), ACC)
+        for c0 in range(0, C, BC):
+            cols = c0 + c
+            cmask = cols < C
+            u = tl.load(U + t * C + cols, mask=cmask, other=0.).to(ACC)
+            g = tl.load(G + t * n * C + k[:, None] * C + cols[None, :], mask=kmask[:, None] & cmask[None, :],
+                        other=0.).to(ACC)
+            tl.store(D_U + t * C + cols, tl.sum(post[:, None] * g, axis=0).to(D_U.dtype.element_ty), mask=cmask)
+            d_post += tl.sum(g * u[None, :], axis=1)
+        tl.store(D_POST + t * n + k, d_post.to(D_POST.dtype.element_ty), mask=kmask)
+
+
+def _stream_args(H, XW, params, kind):
+    """The kernels' view of one step's inputs: streams (N, n, C) with a token and a stream stride (a
+    stride-0 stream dimension for e's n copies), XW, the four parameter pointers, and the sizes."""
+    n, C = H.shape[-2:]
+    if H.stride(-1) != 1:
+        H = H.contiguous()
+    try:
+        H = H.view(-1, n, C)
+    except RuntimeError:
+        H = H.reshape(-1, n, C)
+    P = list(params) + [None] * (4 - len(params))
+    K = 0 if XW is None else XW.shape[-1]
+    n_perm = params[2].shape[0] if kind == MHC else 1
+    blocks = dict(NP=next_pow2(n), NP1=next_pow2(n + 1), PP=next_pow2(n_perm), BC=min(next_pow2(C), STREAM_BC))
+    return H, (None if XW is None else XW.contiguous()), P, (n, C, K, n_perm), blocks
+
+
+@torch.library.custom_op('resroute::stream_mix', mutates_args=())
+def _triton_stream_mix(H: Tensor, XW: Optional[Tensor], params: List[Tensor], kind: int,
+                       mixed_only: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """h (B, T, C), H' (B, T, n, C), post (B, T, n) of one HC or mHC-lite step (only H' when mixed_only)."""
+    acc, acc_tl = accumulator(H.dtype)
+    H3, XW, P, (n, C, K, n_perm), blocks = _stream_args(H, XW, params, kind)
+    N = H3.shape[0]
+    h = H.new_empty(H.shape[:-2] + (C,))
+    mixed = H.new_empty(H.shape)
+    post = torch.empty(H.shape[:-1], device=H.device, dtype=acc)
+    _stream_mix_fwd[(N,)](H3, XW, *P, h, mixed, post, H3.stride(0), H3.stride(1), n, C, K, n_perm, RMS_EPS,
+                          KIND=kind, MIXED_ONLY=mixed_only, ACC=acc_tl, **blocks)
+    return h, mixed, post
+
+
+@torch.library.custom_op('resroute::stream_mix_backward', mutates_args=())
+def _triton_stream_mix_backward(H: Tensor, XW: Optional[Tensor], params: List[Tensor], kind: int, grad_h: Tensor,
+                                grad_mixed: Tensor, grad_post: Tensor) -> Tuple[Tensor, List[Tensor], Tensor]:
+    """d H (without the projection's GEMM), [d XW] ([] for static HC), and each program's partial sums of the gradients of the
+    small parameters ([width | depth | s_a, s_b] or [alpha | bias]), to be summed over programs."""
+    acc, acc_tl = accumulator(H.dtype)
+    H3, XW, P, (n, C, K, n_perm), blocks = _stream_args(H, XW, params, kind)
+    N = H3.shape[0]
+    d_H = torch.empty(H.shape, device=H.device, dtype=H.dtype)
+    d_XW = None if XW is None else torch.empty(XW.shape, device=H.device, dtype=acc)
+    n_part = 3 + 2 * n + n_perm if kind == MHC else n * (n + 1) + n + (2 if kind == HC else 0)
+    programs = reduction_programs(N)
+    parts = torch.empty((programs, n_part), device=H.device, dtype=acc)
+    _stream_mix_bwd[(programs,)](H3, XW, *P, grad_h.contiguous(), grad_mixed.contiguous(), grad_post.contiguous(),
+                                 d_H, d_XW, parts, H3.stride(0), H3.stride(1), N, n, C, K, n_perm, n_part, RMS_EPS,
+                                 KIND=kind, ACC=acc_tl, **blocks)
+    return d_H, [] if d_XW is None else [d_XW], parts
+
+
+@torch.library.custom_op('resroute::advance_backward', mutates_args=())
+def _triton_advance_backward(grad: Tensor, update: Tensor, post: Tensor) -> Tuple[Tensor, Tensor]:
+    n, C = grad.shape[-2:]
+    d_update, d_post = torch.empty_like(update), torch.empty_like(post)
+    _advance_bwd[(update.numel() // C,)](grad.contiguous(), update.contiguous(), post.contiguous(), d_update, d_post,
+                                         n, C, ACC=accumulator(grad.dtype)[1], NP=next_pow2(n),
+                                         BC=min(next_pow2(C), STREAM_BC))
+    return d_update, d_post
+
+
+class Advance(torch.autograd.Function):
+    """H' + post^T f(h) (advance) with a one-kernel backward."""
+
+    @staticmethod
+    def forward(ctx, mixed, post, update):
+        ctx.save_for_backward(post, update)
+        return advance(mixed, post, update)
+
+    @staticmethod
+    def backward(ctx, grad):
+        post, update = ctx.saved_tensors
+        d_update, d_post = _triton_advance_backward(grad, update, post)
+        return grad, d_post, d_update
+
+
+class TritonStreamMix(torch.autograd.Function):
+    """StreamMix with the Triton kernels: (h, H', post) of sublayer i from the streams H, the projection
+    W (or None: static HC) and the sublayer's connection parameters, saving XW (a few numbers per
+    token) and no streams; the backward rebuilds the streams from the segment."""
+
+    @staticmethod
+    def forward(ctx, H, W, segment, kind, *params):
+        i = segment.start + len(segment.connections)
+        XW = None if W is None else torch.matmul(projected_rows(H, W), W)
+        h, mixed, post = _triton_stream_mix(H, XW, list(params), kind, False)
+        segment.connections.append((XW, post.detach(), params))  # (detached: see StreamMix)
+        ctx.save_for_backward(H if i == segment.start else None, W, XW, *params)
+        device = H.device.type
+        ctx.autocast = dict(device_type=device, dtype=torch.get_autocast_dtype(device),
+                            enabled=torch.is_autocast_enabled(device))
+        ctx.segment, ctx.i, ctx.kind = segment, i, kind
+        return h, mixed, post
+
+    @staticmethod
+    def backward(ctx, grad_h, grad_mixed, grad_post):
+        _, W, XW, *params = ctx.saved_tensors
+        H = ctx.segment.streams_at(ctx.i, ctx.autocast)
+        d_H, d_XW, parts = _triton_stream_mix_backward(H, XW, params, ctx.kind, grad_h, grad_mixed, grad_post)
+        sums, grad_W = parts.sum(0), None
+        if W is not None:  # XW = rows W: rows get d_XW W^T, W gets rows^T d_XW
+            rows, d_XW = H.reshape(-1, W.shape[0]), d_XW[0].view(-1, W.shape[1])
+            d_H.view(-1, W.shape[0]).addmm_(d_XW.to(d_H.dtype), W.t().to(d_H.dtype))
+            grad_W = (rows.t() @ d_XW.to(rows.dtype)).to(W.dtype)
+        n = H.shape[-2]
+        if ctx.kind == MHC:
+            grads = [sums[:3], sums[3:], None]
+        else:
+            grads = [sums[:n * (n + 1)].view(n, n + 1), sums[n * (n + 1):n * (n + 2)], *sums[n * (n + 2):]]
+        return d_H, grad_W, None, None, *[g.to(p.dtype) if g is not None else None for g, p in zip(grads, params)]
 
 
 # ----------------------------------------------------------------------------- MGR step

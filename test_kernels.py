@@ -151,10 +151,11 @@ def test_triton_reads_keep_the_sources_not_their_promoted_copies():
                 saved[backend] = saved_bytes(model, idx, idx)
         assert saved['triton'] <= saved['torch'], (residual, saved)
 
-def two_backwards(residual, n_layer=3, **knobs):
+def two_backwards(residual, backend='torch', n_layer=3, **knobs):
     """The parameters' gradients of two backwards through one retained graph (random routing)."""
     model = tiny_model(residual, n_layer=n_layer, **knobs)
     randomize_routing(model)
+    model.set_kernels(backend)
     idx = torch.randint(27, (2, 8), generator=torch.Generator().manual_seed(0))
     _, loss = model(idx, idx)
     grads = []
@@ -266,14 +267,15 @@ STREAM_VARIANTS = [('hc', {}), ('hc', {'hc_dynamic': False}), ('mhc_lite', {}), 
 
 
 @pytest.mark.parametrize('residual,knobs', STREAM_VARIANTS)
-@pytest.mark.parametrize('n_layer', [1, 3, 5])  # segments of 1, 2 (+2+2) and 3 (+3+3+1) sublayers
-def test_recomputed_streams_equal_the_saved_ones(residual, knobs, n_layer):
-    """HC and mHC-lite with the streams rebuilt in the backward and the mixing's and projection's
-    gradients written by hand (kernels=torch) against the classes' own forward through autograd:
-    output and the gradients of e and of every routing parameter, on random routing and random
-    sublayers, in float64."""
+@pytest.mark.parametrize('n_layer,backend', [(1, 'torch'), (3, 'torch'), (5, 'torch'),  # segments of 1, 2 (+2+2)
+                                             pytest.param(5, 'triton', marks=TRITON_MARKS)])  # and 3 (+3+3+1)
+def test_recomputed_streams_equal_the_saved_ones(residual, knobs, n_layer, backend):
+    """HC and mHC-lite with the streams rebuilt in the backward and the mixing's, the connections' and
+    the projection's gradients written by hand (the PyTorch twin; the Triton kernels) against the
+    classes' own forward through autograd: output and the gradients of e and of every routing
+    parameter, on random routing and random sublayers, in float64."""
     results = []
-    for backend in ('reference', 'torch'):
+    for backend in ('reference', backend):
         gen = torch.Generator().manual_seed(0)
         router = routing(residual, n_layer, C=24, **knobs)
         randomize_routing(router)
@@ -286,22 +288,29 @@ def test_recomputed_streams_equal_the_saved_ones(residual, knobs, n_layer):
     assert all(rel_rms(got, want) <= 1e-10 for got, want in zip(results[1], results[0]))
 
 
-@pytest.mark.parametrize('residual,knobs', STREAM_VARIANTS)
-def test_recomputed_streams_under_bfloat16_autocast(residual, knobs, monkeypatch):
+@pytest.mark.parametrize('residual,knobs,backend', [(*variant, 'torch') for variant in STREAM_VARIANTS] + [
+    pytest.param(*variant, 'triton', marks=TRITON_MARKS) for variant in STREAM_VARIANTS[::2]])
+def test_recomputed_streams_under_bfloat16_autocast(residual, knobs, backend, monkeypatch):
     """Under CPU bfloat16 autocast: the streams the backward rebuilds are bit for bit the ones the
     forward mixed (the replay repeats the forward's ops at its precision), and a tiny model's loss
     and gradients are as close to float64 as the reference's (3 seeds of random routing; the twin
-    rounds differently, so the two bfloat16 results differ from each other by about as much)."""
+    rounds differently, so the two bfloat16 results differ from each other by about as much).
+    Through Triton's interpreter at one seed and fewer tokens (it runs each program in Python)."""
     seen, rebuilt = [], []
-    mixing, streams_at = kernels.stream_mixing, kernels.StreamSegment.streams_at
+    mixing, triton_mix, streams_at = kernels.stream_mixing, kernels._triton_stream_mix, kernels.StreamSegment.streams_at
     monkeypatch.setattr(kernels, 'stream_mixing', lambda A, H: seen.append(H.clone()) or mixing(A, H))
+    def recorded_triton_mix(H, XW, params, kind, mixed_only):
+        if not mixed_only:  # the forward's call (the replay mixes only)
+            seen.append(H.clone())
+        return triton_mix(H, XW, params, kind, mixed_only)
+    monkeypatch.setattr(kernels, '_triton_stream_mix', recorded_triton_mix)
     monkeypatch.setattr(kernels.StreamSegment, 'streams_at',
                         lambda self, i, autocast: rebuilt.append(streams_at(self, i, autocast)) or rebuilt[-1])
-    errors = {'reference': [], 'torch': []}
-    for seed in range(3):
-        idx = torch.randint(27, (4, 32), generator=torch.Generator().manual_seed(seed))
+    errors = {'reference': [], backend: []}
+    for seed in range(3) if backend == 'torch' else [0]:
+        idx = torch.randint(27, (4, 32) if backend == 'torch' else (2, 16), generator=torch.Generator().manual_seed(seed))
         results = {}
-        for backend, precision in [('reference', 'float64'), ('reference', 'bfloat16'), ('torch', 'bfloat16')]:
+        for backend, precision in [('reference', 'float64'), ('reference', 'bfloat16'), (backend, 'bfloat16')]:
             model = tiny_model(residual, n_layer=3, n_embd=64, block_size=32, **knobs)
             randomize_routing(model, seed=seed + 1)
             model.to(torch.float64 if precision == 'float64' else torch.float32).set_kernels(backend)
@@ -317,15 +326,17 @@ def test_recomputed_streams_under_bfloat16_autocast(residual, knobs, monkeypatch
             loss16, grads16 = results[backend, 'bfloat16']
             assert abs(loss16 - loss64) <= 2e-3 * loss64
             errors[backend].append(rel_rms(grads16, grads64))
-    assert sum(errors['torch']) <= 1.5 * sum(errors['reference']), errors
+    assert sum(errors[backend]) <= 1.5 * sum(errors['reference']), errors
 
 
+@pytest.mark.parametrize('backend', ['torch', pytest.param('triton', marks=TRITON_MARKS)])
 @pytest.mark.parametrize('residual', ['hc', 'mhc_lite'])
-def test_recomputed_streams_are_freed_after_the_step(residual):
+def test_recomputed_streams_are_freed_after_the_step(residual, backend):
     """Once a step's graph is gone, no StreamSegment of it is left alive (a reference cycle through
     autograd's graph kept every step's segments, and training grew by 27 MB a step until killed)."""
     import gc
     model = tiny_model(residual, n_layer=3)
+    model.set_kernels(backend)
     idx = torch.randint(27, (2, 8), generator=torch.Generator().manual_seed(0))
     for _ in range(2):
         logits, loss = model(idx, idx)
@@ -353,12 +364,13 @@ def test_recomputed_streams_keep_about_a_sublayer_update_per_sublayer():
         assert saved[residual, 'torch'] < 1.3 * saved['prenorm', 'torch']
 
 
-def test_recomputed_streams_backpropagate_twice_and_from_an_inner_sublayer():
+@pytest.mark.parametrize('backend', ['torch', pytest.param('triton', marks=TRITON_MARKS)])
+def test_recomputed_streams_backpropagate_twice_and_from_an_inner_sublayer(backend):
     """Each backward rebuilds what it needs, so a retained graph backpropagates again to the same
     gradients, and a backward from an inner sublayer's input works and matches the reference."""
-    assert all(torch.equal(a, b) for a, b in zip(*two_backwards('mhc_lite')))
+    assert all(torch.equal(a, b) for a, b in zip(*two_backwards('mhc_lite', backend)))
     inner = []
-    for backend in ('reference', 'torch'):
+    for backend in ('reference', backend):
         router, inputs = routing('hc', 3), []
         randomize_routing(router)
         router.double()
@@ -417,7 +429,7 @@ def test_dense_states_backpropagate_twice_from_an_inner_sublayer_and_under_autoc
     """A retained graph backpropagates again to the same gradients; a backward from an inner
     sublayer's input matches the reference; under bfloat16 autocast the twin is as close to the
     float32 reference as the reference is (the products run in float32 in both)."""
-    assert all(torch.equal(a, b) for a, b in zip(*two_backwards(residual, 4, **knobs)))
+    assert all(torch.equal(a, b) for a, b in zip(*two_backwards(residual, n_layer=4, **knobs)))
     inner = [dense_run(residual, knobs, 6, backend, inner=7) for backend in ('reference', 'torch')]
     assert all((got is None and want is None) or rel_rms(got, want) <= 1e-10 for got, want in zip(*inner))
     idx = torch.randint(27, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -477,7 +489,7 @@ def test_kernels_compile_without_graph_breaks(residual):
 @needs_triton
 @pytest.mark.skipif(not torch.cuda.is_available(), reason='bfloat16 needs the compiled kernels on CUDA '
                     '(the interpreter has no bf16 arithmetic)')
-@pytest.mark.parametrize('residual', ['block_attnres', 'wav', 'mgr'])
+@pytest.mark.parametrize('residual', ['block_attnres', 'wav', 'mgr', 'hc', 'mhc_lite'])
 def test_kernels_under_bfloat16_autocast_match_torch(residual):
     """Under autocast the kernels see what training gives them: a float32 embedding beside
     bfloat16 updates, float32 queries. Loss within 1e-2 and gradients (all parameters together)
@@ -580,8 +592,8 @@ OPERATORS = {
               'block_attnres': (736, 962), 'delta_attnres': (800, 1007), 'wav': (1242, 1609), 'hc': (723, 977),
               'mhc_lite': (924, 1399), 'mgr': (847, 756), 'denseformer': (180, 321), 'mudd': (323, 475)},
     'triton': {'prenorm': (135, 245), 'rezero': (152, 239), 'layerscale': (168, 255), 'attnres': (178, 317),
-               'block_attnres': (176, 317), 'delta_attnres': (236, 315), 'wav': (226, 354), 'hc': (723, 977),
-               'mhc_lite': (924, 1399), 'mgr': (176, 340), 'denseformer': (180, 321), 'mudd': (323, 475)},
+               'block_attnres': (176, 317), 'delta_attnres': (236, 315), 'wav': (226, 354), 'hc': (212, 392),
+               'mhc_lite': (211, 372), 'mgr': (176, 340), 'denseformer': (180, 321), 'mudd': (323, 475)},
 }
 
 
