@@ -74,6 +74,7 @@ GRIDS = {
                     seeds=[0]),
 }
 REFERENCES = ('prenorm', 'block_attnres')  # the baselines every method is compared with, pair by pair
+TARGET_HALF_WIDTH = 0.015  # nats: the 95% half-width a study aims at (the report names the comparisons over it)
 
 
 def arg_name(arg):
@@ -269,6 +270,33 @@ def equal_time(results, ratios, reference='prenorm'):
             for key, e in out.items()}
 
 
+def seeds_for(half, n, target=TARGET_HALF_WIDTH):
+    """The seeds a paired comparison would need for a 95% half-width of `target`, from the spread that
+    n seeds gave (half-width `half`)."""
+    sd, seeds = half * math.sqrt(n) / t_975(n - 1), max(n, 2)
+    while t_975(seeds - 1) * sd / math.sqrt(seeds) > target:
+        seeds += 1
+    return seeds
+
+
+def resolution(rows):
+    """One line: how many of the distinct paired comparisons resolve, and those whose half-width is
+    over the target, with the seeds they would need."""
+    seen, resolved, wide = set(), 0, []
+    for row in rows:
+        for ref, (diff, half, n) in row['versus'].items():
+            pair = (row['group'], frozenset((row['method'], ref)))
+            if pair in seen or half is None:
+                continue
+            seen.add(pair)
+            resolved += verdict(diff, half) != 'unresolved'
+            if half > TARGET_HALF_WIDTH:
+                wide.append(f"{row['method']} - {ref} +-{half:.3f} ({seeds_for(half, n)})")
+    return (f"{resolved} of {len(seen)} distinct paired comparisons resolved. Half-widths over "
+            f"{TARGET_HALF_WIDTH} nats (seeds that would bring them there, at the spread seen): "
+            + ('; '.join(wide) if wide else 'none') + '.')
+
+
 def verdict(mean, half):
     if half is None:
         return 'one seed'
@@ -315,6 +343,7 @@ def report(grid, runs_dir, results_dir):
             "over seeds of (method - reference) with the half-width of its 95% confidence interval (Student t); "
             "'lower' or 'higher' where the interval excludes zero, 'unresolved' where it does not."
             + (f" {len(walls)} runs, {sum(walls) / 3600:.2f} hours of run time in all." if walls else '')
+            + ' ' + resolution(rows)
             + (" Equal time (bench.json): each method's train-step time x prenorm's; the loss its run had reached "
                "at prenorm's total train time, paired with prenorm's final loss ('-' where its run ended first); "
                "the train time it took to reach prenorm's final loss, x prenorm's ('-' where a seed never did)."

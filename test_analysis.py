@@ -132,6 +132,15 @@ def test_paired_interval_and_t_quantiles():
                                                                                              'unresolved']
 
 
+def test_seeds_for_a_half_width_follow_student_t():
+    """At the spread 5 seeds showed, the fewest seeds whose 95% half-width is at most the target."""
+    sd = 0.02
+    half5 = sweep.t_975(4) * sd / math.sqrt(5)
+    need = sweep.seeds_for(half5, 5, target=0.015)
+    assert sweep.t_975(need - 1) * sd / math.sqrt(need) <= 0.015 < sweep.t_975(need - 2) * sd / math.sqrt(need - 1)
+    assert need == 10 and sweep.seeds_for(half5, 5, target=1.0) == 5  # never fewer than were run
+
+
 def test_sweep_runs_a_grid_skips_finished_runs_resumes_interrupted_ones_and_reports(tmp_path, data_dir, monkeypatch):
     tiny = ['--dataset=pydoc', f'--data_dir={data_dir}', '--max_iters=4', '--eval_interval=2', '--n_layer=1',
             *TINY_TRAIN]
@@ -160,6 +169,8 @@ def test_sweep_runs_a_grid_skips_finished_runs_resumes_interrupted_ones_and_repo
     half = 12.706 * np.std(diffs, ddof=1) / math.sqrt(2)  # Student t with one degree of freedom
     row = next(line for line in markdown.splitlines() if '| block_attnres |' in line)
     assert f"{np.mean(diffs):+.4f} +- {half:.4f}" in row and row.endswith('| - |')  # not compared with itself
+    resolved = int(abs(np.mean(diffs)) > half)  # one distinct comparison (prenorm - block_attnres is its mirror)
+    assert f"{resolved} of 1 distinct paired comparisons resolved" in markdown
     assert (tmp_path / 'results' / 'tiny' / 'results.md').read_text() == markdown
     shutil.rmtree(runs_dir)  # a fresh clone: the committed result files alone rebuild the same table
     assert sweep.report('tiny', runs_dir, results_dir) == markdown
