@@ -452,13 +452,29 @@ def attnres(module, x, sublayers, backend, mgr_fallback_p):
     return read_all(queries[L], sources, None, backend)
 
 
+class GatedAdd(torch.autograd.Function):
+    """x + gate read for a scalar gate: one operator forward, two backward (autograd's mul and add
+    take two forward and three backward: the gate's gradient as a product and a sum, not one dot)."""
+
+    @staticmethod
+    def forward(ctx, x, gate, read):
+        ctx.save_for_backward(gate, read)
+        return torch.addcmul(x, gate, read)
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, read = ctx.saved_tensors
+        grad_gate = torch.dot(grad.reshape(-1), read.reshape(-1).to(grad.dtype)).to(gate.dtype)
+        return grad, grad_gate, (grad * gate).to(read.dtype)
+
+
 def delta_attnres(module, x, sublayers, backend, mgr_fallback_p):
     """Delta AttnRes with Full AttnRes's chunked reads of the deltas; x is the PreNorm stream."""
     gates = torch.sigmoid(module.gate_logit).unbind(0)
 
     def step(i, read):
         nonlocal x
-        u = sublayers[i](x + gates[i] * read)
+        u = sublayers[i](GatedAdd.apply(x, gates[i], read))
         x = x + u
         return u
     chunked(module.read.queries.split(1), x, len(sublayers), backend, step)
