@@ -93,6 +93,13 @@ def route(residual, x, sublayers, backend='torch', mgr_fallback_p=1):
     return residual(x, sublayers) if fast is None else fast(residual, x, sublayers, backend, mgr_fallback_p)
 
 
+def cast(x, dtype):
+    """x in dtype, a new tensor or x itself. An autograd.Function's forward returns outputs through
+    this, never through a no-op x.to(dtype), and updates nothing in place: either makes torch 2.11's
+    compiler drop the Function's backward, and every gradient comes out zero (2.13 is fine)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def upcast(x):
     """float32 for half-precision tensors, others as they are (as residuals.upcast)."""
     return x.float() if x.element_size() < 4 else x
@@ -120,10 +127,12 @@ def reduction_programs(n_tokens):
 def weighted_sum(weights, values):
     """sum_k weights[:, k, ..., None] * values[k]: weights (I, K, B, T), K values (B, T, C) -> (I, B, T, C).
     einsum('ikbt,kbtc->ibtc') is the same, but on CPU PyTorch runs it as one tiny matmul per token,
-    3-10x slower at our sizes; K fused multiply-adds instead."""
+    3-10x slower at our sizes; K fused multiply-adds instead. Out of place, as every forward of an
+    autograd.Function here: an in-place update there makes torch 2.11's compiler drop the backward
+    (see cast); in eager it costs only the allocations."""
     out = weights[:, 0, ..., None] * values[0]
     for k in range(1, len(values)):
-        out.addcmul_(weights[:, k, ..., None], values[k])
+        out = out.addcmul(weights[:, k, ..., None], values[k])
     return out
 
 
@@ -154,10 +163,10 @@ class DepthMix(torch.autograd.Function):
         weights = torch.exp(logits - lse.unsqueeze(1))
         mixed = weighted_sum(weights, values)
         if prior_mixed is not None:
-            mixed.addcmul_(torch.exp(prior_lse - lse).unsqueeze(-1), upcast(prior_mixed))
+            mixed = mixed.addcmul(torch.exp(prior_lse - lse).unsqueeze(-1), upcast(prior_mixed))
         ctx.save_for_backward(queries, bias, prior_mixed, prior_lse, rinv, lse, *sources)
         ctx.set_materialize_grads(False)  # an unused lse gets no gradient, rather than a tensor of zeros
-        return mixed.to(common_dtype(sources if prior_mixed is None else [*sources, prior_mixed])), lse
+        return cast(mixed, common_dtype(sources if prior_mixed is None else [*sources, prior_mixed])), lse
 
     @staticmethod
     def logits(queries, bias, values, rinv):
@@ -1195,7 +1204,7 @@ def mgr_step_torch(streams, u, gate_query, gate_bias, pool_query, competitive, k
     h = (alpha.unsqueeze(-1) * new).sum(0)  # (einsum would run one tiny matmul per token on CPU)
     index = beta.topk(keep, dim=0).indices
     kept = streams.gather(0, index.unsqueeze(-1).expand(-1, -1, streams.shape[-1]))
-    return new.to(streams.dtype), h.to(u.dtype), beta, alpha, index, kept
+    return cast(new, streams.dtype), cast(h, u.dtype), beta, alpha, index, kept
 
 
 def mgr_step_backward_torch(x, u, gate_query, gate_bias, pool_query, beta, alpha, index, kept,
