@@ -60,6 +60,10 @@ GRIDS = {
     # every registered method on the pilot's recipe, five seeds (about 3 hours with --jobs=2 on 2 cores)
     'cpu_study': dict(configs=[['config/cpu_study.py']], variants=[[f'--residual={r}'] for r in RESIDUALS],
                       seeds=[0, 1, 2, 3, 4]),
+    # ReZero stalls near the bigram plateau at cpu_study's learning rate: its sensitivity, two seeds
+    'cpu_study_lr': dict(configs=[['config/cpu_study.py']],
+                         variants=[['--residual=rezero', f'--learning_rate={lr}', f'--min_lr={lr / 10:g}']
+                                   for lr in (6e-3, 2e-2)], seeds=[0, 1]),
     # every registered method at one CPU config, three seeds (about 2 hours with --jobs=2 on 2 cores)
     'cpu_methods': dict(configs=[['config/cpu_methods.py']],
                         variants=[[f'--residual={r}'] for r in RESIDUALS], seeds=[0, 1, 2]),
