@@ -58,7 +58,7 @@ CONFIGS = {
     # the papers' GPU shapes: GPT-2 small (12 x 768, context 1024), and 48 layers of it
     'gpt2': dict(n_layer=12, n_embd=768, n_head=12, block_size=1024, batch_size=8),
     'gpt2_deep': dict(n_layer=48, n_embd=768, n_head=12, block_size=1024, batch_size=4),
-    'tiny': dict(n_layer=2, n_embd=32, n_head=2, block_size=32, batch_size=2),  # does it all run?
+    'tiny': dict(n_layer=2, n_embd=32, n_head=2, block_size=16, batch_size=1),  # does it all run? (16 tokens)
     # the CPU study's shape (config/cpu_methods.py), for sweep.py's equal-time columns:
     #   python bench.py --config=cpu_methods --json_path=results/cpu_methods/bench.json
     'cpu_methods': dict(n_layer=6, n_embd=96, n_head=4, block_size=128, batch_size=16),
