@@ -360,8 +360,41 @@ def report(grid, runs_dir, results_dir):
     return markdown
 
 
+def group_number(group):
+    """The number a config's name ends in (cpu_depth-n_layer48 -> 48), or None."""
+    digits = group[len(group.rstrip('0123456789')):]
+    return int(digits) if digits else None
+
+
+def final_loss_by_group(ax, results, groups, methods, colors):
+    """Final val loss (mean and sd over seeds) against the configs: against their number where every
+    config's name ends in one (the depth trend: val loss against n_layer), else in the grid's order."""
+    numbers = [group_number(g) for g in groups]
+    by_number = None not in numbers
+    for method in methods:
+        points = []
+        for g, group in enumerate(groups):
+            losses = [r['final']['val_loss'] for r in results if (r['group'], r['method']) == (group, method)]
+            if losses:
+                points.append((numbers[g] if by_number else g, statistics.mean(losses),
+                               statistics.stdev(losses) if len(losses) > 1 else 0))
+        points.sort()
+        if points:
+            x, mean, sd = zip(*points)
+            ax.errorbar(x, mean, yerr=sd, fmt='o-', capsize=3, color=colors[method], label=method)
+    if by_number:
+        ax.set_xscale('log', base=2)
+        ax.set_xticks(sorted(numbers), [str(n) for n in sorted(numbers)])
+    else:
+        ax.set_xticks(range(len(groups)), groups, rotation=15, fontsize=8)
+    ax.set(title='final val loss, mean and sd over seeds', xlabel='config' if not by_number else
+           groups[0].rstrip('0123456789').split('-')[-1] or 'config', ylabel='val loss (nats)')
+    ax.legend(fontsize=7)
+
+
 def plot(results, rows, path):
-    """Left: the validation curves, mean over seeds with the min-max band. Then, per reference, the
+    """Left: the validation curves, mean over seeds with the min-max band. Where the grid has several
+    configs, the final val loss against them (cpu_depth: against depth). Then, per reference, the
     paired differences with their 95% intervals (per config, methods side by side)."""
     try:
         import matplotlib
@@ -374,9 +407,13 @@ def plot(results, rows, path):
     methods = list(dict.fromkeys(r['method'] for r in results))
     colors = {m: plt.cm.tab10(k % 10) for k, m in enumerate(methods)}
     references = [ref for ref in REFERENCES if any(ref in row['versus'] for row in rows)]
-    fig, axes = plt.subplots(1, 1 + len(references), figsize=(6 + 5 * len(references), 5), layout='constrained',
-                             squeeze=False)
+    trend = len(groups) > 1
+    fig, axes = plt.subplots(1, 1 + trend + len(references), figsize=(6 + 5 * (trend + len(references)), 5),
+                             layout='constrained', squeeze=False)
     axes = axes[0]
+    if trend:
+        final_loss_by_group(axes[1], results, groups, methods, colors)
+        axes = [axes[0], *axes[2:]]
     ax = axes[0]
     for group in groups[:1]:  # the curves of the first config (the deepest in cpu_depth)
         for method in methods:

@@ -179,6 +179,27 @@ def test_sweep_runs_a_grid_skips_finished_runs_resumes_interrupted_ones_and_repo
 
 
 
+def test_the_depth_panel_plots_final_loss_against_the_number_in_each_config_name():
+    """cpu_depth's configs are named ...-n_layer48, 24, 12 (deepest first, as they run): the panel puts
+    each method's mean and sd over seeds at 12, 24, 48, in that order."""
+    calls = []
+
+    class Axes:  # records what is drawn
+        def errorbar(self, x, y, yerr, label, **_):
+            calls.append((label, list(x), [round(v, 6) for v in y], [round(v, 6) for v in yerr]))
+
+        def __getattr__(self, name):
+            return lambda *args, **kwargs: None
+    groups = ['cpu_depth-n_layer48', 'cpu_depth-n_layer24', 'cpu_depth-n_layer12']
+    losses = {('cpu_depth-n_layer48', 'wav'): [1.0, 1.2], ('cpu_depth-n_layer24', 'wav'): [2.0, 2.0],
+              ('cpu_depth-n_layer12', 'wav'): [3.0, 3.4], ('cpu_depth-n_layer12', 'prenorm'): [4.0]}
+    results = [dict(group=g, method=m, final=dict(val_loss=v)) for (g, m), vs in losses.items() for v in vs]
+    sweep.final_loss_by_group(Axes(), results, groups, ['wav', 'prenorm'], {'wav': 'r', 'prenorm': 'b'})
+    sd = [round(0.2 * math.sqrt(2), 6), 0.0, round(0.1 * math.sqrt(2), 6)]
+    assert calls == [('wav', [12, 24, 48], [3.2, 2.0, 1.1], sd), ('prenorm', [12], [4.0], [0])]
+    assert sweep.group_number('cpu_study') is None and sweep.group_number('text8_12l') is None
+
+
 def test_sweep_report_at_equal_train_time(tmp_path, monkeypatch):
     """With the grid's bench.json, the report adds each method's loss at prenorm's train time and its
     time to prenorm's final loss, from the committed curves (values worked out by hand here)."""
