@@ -124,15 +124,16 @@ def reduction_programs(n_tokens):
 
 # ----------------------------------------------------------------------------- depth mixing
 
-def stacked(sources):
-    """The sources as one (S, B, T, C) tensor at their compute precision, for the passes of one read:
-    a temporary (the Functions save the sources, never this), a view where there is one source."""
-    return upcast(sources[0].unsqueeze(0) if len(sources) == 1 else torch.stack(sources))
-
-
-def per_query(f, m, dim=-1):
-    """f(j) for each of m queries, stacked on axis dim (no stack where there is one query)."""
-    return f(0).unsqueeze(dim) if m == 1 else torch.stack([f(j) for j in range(m)], dim=dim)
+def weighted_sum(weights, values):
+    """sum_k weights[:, k, ..., None] * values[k]: weights (I, K, B, T), K values (B, T, C) -> (I, B, T, C).
+    einsum('ikbt,kbtc->ibtc') is the same, but on CPU PyTorch runs it as one tiny matmul per token,
+    3-10x slower at our sizes; K fused multiply-adds instead. Out of place, as every forward of an
+    autograd.Function here: an in-place update there makes torch 2.11's compiler drop the backward
+    (see cast); in eager it costs only the allocations."""
+    out = weights[:, 0, ..., None] * values[0]
+    for k in range(1, len(values)):
+        out = out.addcmul(weights[:, k, ..., None], values[k])
+    return out
 
 
 class DepthMix(torch.autograd.Function):
@@ -142,66 +143,71 @@ class DepthMix(torch.autograd.Function):
     lse_j = logsumexp_s l_js lets a caller merge more sources later with an online softmax, and a
     `prior` (mixed_0 (m, B, T, C), lse_0 (m, B, T)) of sources read before is merged here: it counts
     as one more source with value mixed_0 and logit lse_0 (the AttnRes paper's phase 2 in the same
-    pass). Each pass runs over all the sources at once (a temporary stack: a read costs the same
-    number of operators at any S), and only per-token statistics (1/RMS per source, lse per query:
-    the weights are recomputed in the backward) and references to the sources are saved, never a
-    stacked copy (with plain autograd, Full AttnRes keeps an (S, B, T, C) stack per sublayer: L^2 memory).
+    pass). It works one source at a time and saves per-token statistics (1/RMS per source, lse per
+    query: the weights are recomputed in the backward) and references to the sources, never a
+    stacked copy (with plain autograd, Full AttnRes keeps an (S, B, T, C) stack per sublayer: L^2
+    memory; on a CPU, passes over a temporary stack of the sources cost 1.2-5x the time, measured).
     With r_s = 1/RMS(v_s), l_js = r_s v_s.q_j + b_js, w = softmax_s(l), out_j = sum_s w_js v_s and
     g_j, h_j the gradients of out_j and lse_j: dl_js = w_js (g_j.v_s - g_j.out_j + h_j), and
     dv_s = sum_j [w_js g_j + dl_js r_s q_j - dl_js r_s^2 (r_s v_s.q_j) v_s / C]; the prior gets
-    d lse_0 = w_0 (g.mixed_0 - g.out + h) and d mixed_0 = w_0 g. Layout inside: (S, B, T, m)."""
+    d lse_0 = w_0 (g.mixed_0 - g.out + h) and d mixed_0 = w_0 g."""
 
     @staticmethod
     def forward(ctx, queries, bias, prior_mixed, prior_lse, *sources):
-        V = stacked(sources)
-        rinv = rms_inverse(V)  # r_s (S, B, T)
-        scores, logits = DepthMix.logits(queries, bias, V, rinv)
-        lse = torch.logsumexp(logits, dim=0)  # (B, T, m)
+        values = [upcast(v) for v in sources]
+        norms = torch.stack([torch.linalg.vector_norm(v, dim=-1) for v in values])  # the rest at once: (S, B, T)
+        rinv = torch.rsqrt(norms.square() / values[0].shape[-1] + RMS_EPS)  # r_s, as rms_inverse
+        scores, logits = DepthMix.logits(queries, bias, values, rinv)
+        lse = torch.logsumexp(logits, dim=1)
         if prior_lse is not None:
-            lse = torch.logaddexp(lse, prior_lse.permute(1, 2, 0))
-        weights = torch.exp(logits - lse)
-        mixed = per_query(lambda j: (weights[..., j, None] * V).sum(0), len(queries), dim=0)  # (m, B, T, C)
+            lse = torch.logaddexp(lse, prior_lse)
+        weights = torch.exp(logits - lse.unsqueeze(1))
+        mixed = weighted_sum(weights, values)
         if prior_mixed is not None:
-            mixed = mixed.addcmul(torch.exp(prior_lse - lse.permute(2, 0, 1)).unsqueeze(-1), upcast(prior_mixed))
+            mixed = mixed.addcmul(torch.exp(prior_lse - lse).unsqueeze(-1), upcast(prior_mixed))
         ctx.save_for_backward(queries, bias, prior_mixed, prior_lse, rinv, lse, *sources)
         ctx.set_materialize_grads(False)  # an unused lse gets no gradient, rather than a tensor of zeros
-        return (cast(mixed, common_dtype(sources if prior_mixed is None else [*sources, prior_mixed])),
-                lse.permute(2, 0, 1))
+        return cast(mixed, common_dtype(sources if prior_mixed is None else [*sources, prior_mixed])), lse
 
     @staticmethod
-    def logits(queries, bias, V, rinv):
-        """The scores q_j . RMSNorm(v_s) and the logits (scores + bias), both (S, B, T, m)."""
-        scores = (V @ upcast(queries).T) * rinv.unsqueeze(-1)
-        return scores, scores if bias is None else scores + upcast(bias).T[:, None, None]
+    def logits(queries, bias, values, rinv):
+        """The scores q_j . RMSNorm(v_s) and the logits (scores + bias), both (m, S, B, T)."""
+        q = upcast(queries).T
+        scores = rinv * torch.stack([v @ q for v in values]).permute(3, 0, 1, 2)
+        return scores, scores if bias is None else scores + upcast(bias)[:, :, None, None]
 
     @staticmethod
     def backward(ctx, grad_mixed, grad_lse):
         queries, bias, prior_mixed, prior_lse, rinv, lse, *sources = ctx.saved_tensors
         if grad_mixed is None:  # only lse was used
             grad_mixed = lse.new_zeros((len(queries),) + sources[0].shape)
-        g, q, V = upcast(grad_mixed), upcast(queries), stacked(sources)
-        (m, C), h = q.shape, 0 if grad_lse is None else upcast(grad_lse).permute(1, 2, 0)
-        scores, logits = DepthMix.logits(queries, bias, V, rinv)
-        weights = torch.exp(logits - lse)
-        grad_weights = per_query(lambda j: (V * g[j]).sum(-1), m)  # g_j . v_s (S, B, T, m)
-        g_out = (weights * grad_weights).sum(0)  # g_j . out_j (B, T, m)
+        g, q, values = upcast(grad_mixed), upcast(queries), [upcast(v) for v in sources]
+        h = 0 if grad_lse is None else upcast(grad_lse)
+        m, C = q.shape
+        scores, logits = DepthMix.logits(queries, bias, values, rinv)
+        weights = torch.exp(logits - lse.unsqueeze(1))
+        grad_weights = torch.stack([torch.einsum('btc,mbtc->mbt', v, g) for v in values], dim=1)  # g_j . v_s
+        g_out = (weights * grad_weights).sum(1, keepdim=True)  # g_j . out_j
         if prior_mixed is not None:
-            prior_weight = torch.exp(prior_lse - lse.permute(2, 0, 1))
-            g_prior = (upcast(prior_mixed) * g).sum(-1)
-            g_out = g_out + (prior_weight * g_prior).permute(1, 2, 0)
-            d_lse = prior_weight * (g_prior - g_out.permute(2, 0, 1) + (0 if grad_lse is None else grad_lse))
+            prior_weight = torch.exp(prior_lse - lse)
+            g_prior = torch.einsum('mbtc,mbtc->mbt', upcast(prior_mixed), g)
+            g_out = g_out + (prior_weight * g_prior).unsqueeze(1)
+            d_lse = prior_weight * (g_prior - g_out[:, 0] + h)
             grad_prior = (prior_weight.unsqueeze(-1) * g).to(prior_mixed.dtype), d_lse.to(prior_lse.dtype)
-        grad_logits = weights * (grad_weights - g_out + h)
-        scaled = grad_logits * rinv.unsqueeze(-1)  # dl_js r_s
-        grad_V = weights[..., 0, None] * g[0]
-        for j in range(1, m):
-            grad_V.addcmul_(weights[..., j, None], g[j])
-        grad_V.view(-1, C).addmm_(scaled.reshape(-1, m), q)
-        grad_V.addcmul_(((scaled * scores).sum(-1) * rinv).unsqueeze(-1), V, value=-1 / C)
-        grad_queries = scaled.reshape(-1, m).T @ V.reshape(-1, C)
-        grad_bias = grad_logits.sum(dim=(1, 2)).T.to(bias.dtype) if bias is not None else None
+        grad_logits = weights * (grad_weights - g_out + (h if grad_lse is None else h.unsqueeze(1)))
+        scaled = grad_logits * rinv  # dl_js r_s
+        along_value = (scaled * rinv * scores).sum(0) / C
+        grad_queries, grad_values = torch.zeros_like(q), []
+        for s, v in enumerate(values):  # dv_s built in place, one source at a time
+            grad = v * -along_value[s].unsqueeze(-1)
+            for j in range(m):
+                grad.addcmul_(weights[j, s].unsqueeze(-1), g[j])
+            grad.view(-1, C).addmm_(scaled[:, s].reshape(m, -1).T, q)
+            grad_queries.addmm_(scaled[:, s].reshape(m, -1), v.reshape(-1, C))
+            grad_values.append(grad.to(sources[s].dtype))
+        grad_bias = grad_logits.sum(dim=(2, 3)).to(bias.dtype) if bias is not None else None
         return (grad_queries.to(queries.dtype), grad_bias, *(grad_prior if prior_mixed is not None else (None, None)),
-                *(cast(grad, v.dtype) for grad, v in zip(grad_V.unbind(0), sources)))
+                *grad_values)
 
 
 def depth_mix(queries, bias, sources, backend, prior=None):
