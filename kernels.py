@@ -301,8 +301,18 @@ if triton is not None:
             tl.store(DB + pid * M * S + rows[:, None] * S + srcs[None, :], db, mask=rmask[:, None] & (srcs[None, :] < S))
 
 
+def on_device(values, device):
+    """A few host integers (addresses, indices) as an int64 tensor on `device`. On a GPU they go through
+    pinned memory asynchronously: a copy from pageable memory waits until the GPU has run every
+    queued kernel, and one per read made the host and the GPU take turns. (While a CUDA graph is
+    captured, the plain copy, which refuses loudly: a graph would replay a pinned buffer reused since.)"""
+    if device.type == 'cuda' and not torch.cuda.is_current_stream_capturing():
+        return torch.tensor(values, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
 def _address_table(tensors):
-    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=tensors[0].device)
+    return on_device([t.data_ptr() for t in tensors], tensors[0].device)
 
 
 def accumulator(dtype):
@@ -639,7 +649,7 @@ def detail_biases(module, blocks, readout):
         for k in range(1, m):
             read([start + k], own[k])
     read([len(padded) - 1], readout)
-    flat = padded.flatten()[torch.tensor(index, device=padded.device)]
+    flat = padded.flatten()[on_device(index, padded.device)]
     return [b.view(shape) for b, shape in zip(flat.split([r * c for r, c in shapes]), shapes)]
 
 

@@ -487,6 +487,27 @@ def test_kernels_compile_without_graph_breaks(residual):
 
 
 @needs_triton
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='a host-GPU sync exists only on a GPU')
+@pytest.mark.parametrize('residual', METHODS)
+def test_a_training_step_never_waits_for_the_gpu(residual):
+    """Forward and backward with the Triton kernels queue their work and return: no operator waits
+    for the GPU (a copy of the kernels' address tables from pageable memory did, once per read).
+    CUDA's sync debug mode turns any such wait into an error."""
+    model = tiny_model(residual, n_layer=3, n_embd=64, block_size=32, res_block_size=2).to('cuda')
+    model.set_kernels('triton')
+    idx = torch.randint(27, (4, 32), generator=torch.Generator().manual_seed(0)).to('cuda')
+    for check in (False, True):  # the first step loads and compiles the kernels
+        torch.cuda.set_sync_debug_mode('error' if check else 'default')
+        try:
+            with torch.autocast(device_type='cuda', dtype=torch.bfloat16):
+                _, loss = model(idx, idx)
+            loss.backward()
+        finally:
+            torch.cuda.set_sync_debug_mode('default')
+        model.zero_grad(set_to_none=True)
+
+
+@needs_triton
 @pytest.mark.skipif(not torch.cuda.is_available(), reason='bfloat16 needs the compiled kernels on CUDA '
                     '(the interpreter has no bf16 arithmetic)')
 @pytest.mark.parametrize('residual', ['block_attnres', 'wav', 'mgr', 'hc', 'mhc_lite'])
