@@ -220,7 +220,18 @@ def depth_mix(queries, bias, sources, backend, prior=None):
 
 if triton is not None:
     @triton.jit
-    def _depth_mix_fwd(table, Q, BIAS, PRIOR, PRIOR_LSE, OUT, LSE, S, M, N, C, eps, HAS_BIAS: tl.constexpr,
+    def _load_source(table, LOW, OUT, s, S, offsets, mask, ACC: tl.constexpr):
+        """Row `offsets` of source s, whose address is table[s] and whose dtype is OUT's (table[S + s]
+        = 0) or LOW's (1)."""
+        at = tl.load(table + s)
+        if tl.load(table + S + s) == 0:
+            v = tl.load(at.to(tl.pointer_type(OUT.dtype.element_ty)) + offsets, mask=mask, other=0.).to(ACC)
+        else:
+            v = tl.load(at.to(tl.pointer_type(LOW.dtype.element_ty)) + offsets, mask=mask, other=0.).to(ACC)
+        return v
+
+    @triton.jit
+    def _depth_mix_fwd(table, LOW, Q, BIAS, PRIOR, PRIOR_LSE, OUT, LSE, S, M, N, C, eps, HAS_BIAS: tl.constexpr,
                        HAS_PRIOR: tl.constexpr, ACC: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         rows, cols = tl.arange(0, BM), tl.arange(0, BC)
@@ -237,8 +248,7 @@ if triton is not None:
             run_sum = tl.zeros((BM,), ACC)
             acc = tl.zeros((BM, BC), ACC)
         for s in range(S):  # online softmax over the sources: each is read once
-            v_ptr = tl.load(table + s).to(tl.pointer_type(OUT.dtype.element_ty))
-            v = tl.load(v_ptr + t * C + cols, mask=cmask, other=0.).to(ACC)
+            v = _load_source(table, LOW, OUT, s, S, t * C + cols, cmask, ACC)
             r = 1 / tl.sqrt(tl.sum(v * v, axis=0) / C + eps)
             logit = r * tl.sum(q * v[None, :], axis=1)
             if HAS_BIAS:
@@ -253,7 +263,7 @@ if triton is not None:
         tl.store(LSE + rows * N + t, run_max + tl.log(run_sum), mask=rmask)
 
     @triton.jit
-    def _depth_mix_bwd(table, grad_table, Q, BIAS, PRIOR, PRIOR_LSE, OUT, LSE, G, GLSE, DQ, DB, D_PRIOR,
+    def _depth_mix_bwd(table, LOW, Q, BIAS, PRIOR, PRIOR_LSE, OUT, LSE, G, GLSE, DQ, DB, D_PRIOR,
                        D_PRIOR_LSE, S, M, N, C, eps, HAS_BIAS: tl.constexpr, HAS_PRIOR: tl.constexpr,
                        HAS_GLSE: tl.constexpr, ACC: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr,
                        BS: tl.constexpr):
@@ -280,8 +290,7 @@ if triton is not None:
                 tl.store(D_PRIOR_LSE + rows * N + t, (w * (tl.sum(g * prior, axis=1) - g_out + g_lse)).to(
                     D_PRIOR_LSE.dtype.element_ty), mask=rmask)
             for s in range(S):
-                v_ptr = tl.load(table + s).to(tl.pointer_type(OUT.dtype.element_ty))
-                v = tl.load(v_ptr + t * C + cols, mask=cmask, other=0.).to(ACC)
+                v = _load_source(table, LOW, OUT, s, S, t * C + cols, cmask, ACC)
                 r = 1 / tl.sqrt(tl.sum(v * v, axis=0) / C + eps)
                 score = r * tl.sum(q * v[None, :], axis=1)
                 logit = score
@@ -291,8 +300,13 @@ if triton is not None:
                 dl = w * (tl.sum(g * v[None, :], axis=1) - g_out + g_lse)  # d loss / d logit
                 dv = (tl.sum(w[:, None] * g, axis=0) + r * tl.sum(dl[:, None] * q, axis=0)
                       - (r * r * tl.sum(dl * score, axis=0) / C) * v)
-                dv_ptr = tl.load(grad_table + s).to(tl.pointer_type(OUT.dtype.element_ty))
-                tl.store(dv_ptr + t * C + cols, dv.to(OUT.dtype.element_ty), mask=cmask)
+                dv_at = tl.load(table + 2 * S + s)  # each source's gradient in its dtype
+                if tl.load(table + S + s) == 0:  # (no name may hold two pointer types: the compiler refuses)
+                    tl.store(dv_at.to(tl.pointer_type(OUT.dtype.element_ty)) + t * C + cols,
+                             dv.to(OUT.dtype.element_ty), mask=cmask)
+                else:
+                    tl.store(dv_at.to(tl.pointer_type(LOW.dtype.element_ty)) + t * C + cols,
+                             dv.to(LOW.dtype.element_ty), mask=cmask)
                 dq += (dl * r)[:, None] * v[None, :]
                 if HAS_BIAS:
                     db += tl.where(srcs[None, :] == s, dl[:, None], 0.)
@@ -332,6 +346,24 @@ def common_dtype(sources):
     return dtypes.pop() if len(dtypes) == 1 else functools.reduce(torch.promote_types, dtypes)
 
 
+def readable(sources, dtype):
+    """The depth-mix kernels read each source in the mix's dtype or in one other (under autocast: a
+    float32 e beside bfloat16 updates) through its own pointer type, so nothing is copied to one
+    dtype; a source of a third dtype is (a temporary copy). -> (the sources, contiguous, and one of
+    the other dtype for its pointer type, or None)."""
+    others = {v.dtype for v in sources} - {dtype}
+    low = others.pop() if len(others) == 1 else dtype
+    sources = [v.contiguous() if v.dtype in (dtype, low) else v.to(dtype).contiguous() for v in sources]
+    return sources, next((v for v in sources if v.dtype != dtype), None)
+
+
+def source_table(sources, dtype, grads=()):
+    """One table for a depth-mix kernel (one copy to the GPU): the sources' addresses, their kinds
+    (0: `dtype`, 1: the other) and the addresses of their gradients, if given."""
+    return on_device([v.data_ptr() for v in sources] + [int(v.dtype != dtype) for v in sources]
+                     + [g.data_ptr() for g in grads], sources[0].device)
+
+
 def promoted(sources, dtype):
     """The kernels read every source through one pointer type, so sources of mixed dtypes (under
     autocast: e float32, updates bfloat16) are promoted, as torch.stack does: temporary copies
@@ -348,11 +380,11 @@ def _triton_depth_mix(queries: Tensor, bias: Optional[Tensor], sources: List[Ten
                       prior_lse: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
     dtype = _mix_dtype(sources, prior_mixed)
     acc, acc_tl = accumulator(dtype)
-    sources = promoted(sources, dtype)
+    sources, low = readable(sources, dtype)
     (m, C), S, N = queries.shape, len(sources), sources[0].numel() // queries.shape[1]
-    mixed = sources[0].new_empty((m,) + sources[0].shape)
+    mixed = sources[0].new_empty((m,) + sources[0].shape, dtype=dtype)
     lse = torch.empty((m,) + sources[0].shape[:-1], device=queries.device, dtype=acc)
-    _depth_mix_fwd[(N,)](_address_table(sources), queries.contiguous(), bias if bias is None else bias.contiguous(),
+    _depth_mix_fwd[(N,)](source_table(sources, dtype), mixed if low is None else low, queries.contiguous(), bias if bias is None else bias.contiguous(),
                          prior_mixed if prior_mixed is None else prior_mixed.contiguous(),
                          prior_lse if prior_lse is None else prior_lse.contiguous(), mixed, lse,
                          S, m, N, C, RMS_EPS, HAS_BIAS=bias is not None, HAS_PRIOR=prior_mixed is not None,
@@ -373,7 +405,7 @@ def _triton_depth_mix_backward(queries: Tensor, bias: Optional[Tensor], sources:
                                grad_mixed: Tensor, grad_lse: Optional[Tensor]) -> Tuple[Tensor, List[Tensor], List[Tensor]]:
     """The gradients of the queries, of the sources, and of the bias and the prior where given."""
     dtypes = [v.dtype for v in sources]
-    sources = promoted(sources, mixed.dtype)
+    sources, low = readable(sources, mixed.dtype)
     acc, acc_tl = accumulator(mixed.dtype)
     (m, C), S, N = queries.shape, len(sources), mixed[0].numel() // queries.shape[1]
     grads = [torch.empty_like(v) for v in sources]
@@ -383,7 +415,7 @@ def _triton_depth_mix_backward(queries: Tensor, bias: Optional[Tensor], sources:
     has_prior = prior_mixed is not None
     d_prior = torch.empty_like(prior_mixed) if has_prior else None
     d_prior_lse = torch.empty_like(prior_lse) if has_prior else None
-    _depth_mix_bwd[(programs,)](_address_table(sources), _address_table(grads), queries.contiguous(),
+    _depth_mix_bwd[(programs,)](source_table(sources, mixed.dtype, grads), mixed if low is None else low, queries.contiguous(),
                                 bias if bias is None else bias.contiguous(),
                                 prior_mixed if prior_mixed is None else prior_mixed.contiguous(),
                                 prior_lse if prior_lse is None else prior_lse.contiguous(), mixed, lse,
@@ -392,7 +424,7 @@ def _triton_depth_mix_backward(queries: Tensor, bias: Optional[Tensor], sources:
                                 HAS_PRIOR=has_prior, HAS_GLSE=grad_lse is not None, ACC=acc_tl,
                                 BM=next_pow2(m), BC=next_pow2(C), BS=next_pow2(S))
     extra = ([] if db is None else [db.sum(0).to(bias.dtype)]) + ([d_prior, d_prior_lse] if has_prior else [])
-    return dq.sum(0).to(queries.dtype), [g.to(t) for g, t in zip(grads, dtypes)], extra
+    return dq.sum(0).to(queries.dtype), [cast(g, t) for g, t in zip(grads, dtypes)], extra
 
 
 @_triton_depth_mix_backward.register_fake
@@ -540,7 +572,7 @@ def rms_match(details, state, rho, backend):
 
 if triton is not None:
     @triton.jit
-    def _rms_match_fwd(table, out_table, STATE, SCALE, D, N, C, rho, eps, ACC: tl.constexpr, BC: tl.constexpr):
+    def _rms_match_fwd(table, STATE, SCALE, D, N, C, rho, eps, ACC: tl.constexpr, BC: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BC)
         cmask = cols < C
@@ -550,20 +582,20 @@ if triton is not None:
             ptr = tl.load(table + d).to(tl.pointer_type(STATE.dtype.element_ty))
             v = tl.load(ptr + t * C + cols, mask=cmask, other=0.).to(ACC)
             scale = tl.minimum(rms_c / (tl.sqrt(tl.sum(v * v, axis=0) / C) + eps), rho)
-            out = tl.load(out_table + d).to(tl.pointer_type(STATE.dtype.element_ty))
+            out = tl.load(table + D + d).to(tl.pointer_type(STATE.dtype.element_ty))
             tl.store(out + t * C + cols, (v * scale).to(STATE.dtype.element_ty), mask=cmask)
             tl.store(SCALE + d * N + t, scale)
 
     @triton.jit
-    def _rms_match_bwd(grad_table, out_table, SCALE, D, N, C, BC: tl.constexpr):
+    def _rms_match_bwd(table, G, SCALE, D, N, C, BC: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BC)
         cmask = cols < C
         for d in range(D):  # the scale is detached: each detail's gradient is the output's, scaled
-            g_ptr = tl.load(grad_table + d).to(tl.pointer_type(SCALE.dtype.element_ty))
-            g = tl.load(g_ptr + t * C + cols, mask=cmask, other=0.)
-            out = tl.load(out_table + d).to(tl.pointer_type(SCALE.dtype.element_ty))
-            tl.store(out + t * C + cols, g * tl.load(SCALE + d * N + t), mask=cmask)
+            g_ptr = tl.load(table + d).to(tl.pointer_type(G.dtype.element_ty))
+            g = tl.load(g_ptr + t * C + cols, mask=cmask, other=0.).to(SCALE.dtype.element_ty)
+            out = tl.load(table + D + d).to(tl.pointer_type(G.dtype.element_ty))
+            tl.store(out + t * C + cols, (g * tl.load(SCALE + d * N + t)).to(G.dtype.element_ty), mask=cmask)
 
 
 @torch.library.custom_op('resroute::rms_match', mutates_args=())
@@ -574,7 +606,7 @@ def _triton_rms_match(state: Tensor, details: List[Tensor], rho: float) -> Tuple
     N, C = state.numel() // state.shape[-1], state.shape[-1]
     matched = [torch.empty_like(d) for d in details]
     scales = torch.empty((len(details), N), device=state.device, dtype=acc)
-    _rms_match_fwd[(N,)](_address_table(details), _address_table(matched), state, scales, len(details), N, C, rho,
+    _rms_match_fwd[(N,)](_address_table(details + matched), state, scales, len(details), N, C, rho,
                          1e-6, ACC=acc_tl, BC=next_pow2(C))
     return matched, scales
 
@@ -588,16 +620,16 @@ def _(state, details, rho):
 
 @torch.library.custom_op('resroute::rms_match_backward', mutates_args=())
 def _triton_rms_match_backward(grads: List[Tensor], scales: Tensor) -> List[Tensor]:
-    grads = promoted(grads, scales.dtype)
+    grads = promoted(grads, common_dtype(grads))  # in their dtype (computed in the scales')
     N, C = scales.shape[1], grads[0].shape[-1]
     out = [torch.empty_like(g) for g in grads]
-    _rms_match_bwd[(N,)](_address_table(grads), _address_table(out), scales, len(grads), N, C, BC=next_pow2(C))
+    _rms_match_bwd[(N,)](_address_table(grads + out), grads[0], scales, len(grads), N, C, BC=next_pow2(C))
     return out
 
 
 @_triton_rms_match_backward.register_fake
 def _(grads, scales):
-    return [torch.empty_like(g, dtype=scales.dtype) for g in grads]
+    return [torch.empty_like(g, dtype=common_dtype(grads)) for g in grads]
 
 
 def _rms_match_setup(ctx, inputs, output):

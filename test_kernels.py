@@ -123,15 +123,30 @@ def test_depth_mix_with_a_prior_equals_one_read_of_every_source(S, split, m, wit
 
 
 @needs_triton
-def test_depth_mix_kernel_promotes_sources_of_mixed_dtypes():
-    """Under autocast a pool mixes dtypes (e float32, updates bfloat16); the kernel reads one
-    pointer type, so it must promote as DepthMix's stack does (here: float32 and float64)."""
+@pytest.mark.parametrize('dtypes', [(torch.float64, torch.float32, torch.float32),
+                                    (torch.float32, torch.float64, torch.float16)])
+def test_depth_mix_kernel_reads_sources_of_mixed_dtypes_as_they_are(dtypes):
+    """Under autocast a pool mixes dtypes (e float32, updates bfloat16): the kernels read each source
+    through its own pointer type and write its gradient in its dtype, copying nothing (a copy per
+    source per read cost a GPU launch and its memory traffic); a third dtype is promoted. Values and
+    gradients as DepthMix's in float64 (here float64 beside float32, and three dtypes)."""
     gen = torch.Generator().manual_seed(0)
-    sources = [torch.randn(1, 3, 10, generator=gen).to(KERNEL_DEVICE) for _ in range(3)]
-    queries = torch.randn(2, 10, generator=gen).to(KERNEL_DEVICE)
-    mixed = kernels.triton_depth_mix(queries, None, [sources[0].double()] + sources[1:])[0]
+    values = [torch.randn(1, 3, 10, generator=gen, dtype=torch.float64) for _ in range(3)]
+    sources = [v.to(t).to(KERNEL_DEVICE).requires_grad_() for v, t in zip(values, dtypes)]
+    queries = torch.randn(2, 10, generator=gen, dtype=torch.float64).to(KERNEL_DEVICE)
+    read, low = kernels.readable(sources, torch.float64)
+    if len(set(dtypes)) == 2:
+        assert all(r is v for r, v in zip(read, sources)) and low.dtype == torch.float32
+    mixed = kernels.triton_depth_mix(queries, None, sources)[0]
     assert mixed.dtype == torch.float64
-    assert rel_rms(mixed, kernels.DepthMix.apply(queries.double(), None, None, None, *[v.double() for v in sources])[0]) <= 1e-6
+    g = torch.randn(mixed.shape, generator=gen, dtype=torch.float64).to(KERNEL_DEVICE)
+    grads = torch.autograd.grad(mixed, sources, g)
+    exact = [v.detach().double().requires_grad_() for v in sources]
+    expected = kernels.DepthMix.apply(queries, None, None, None, *exact)[0]
+    assert rel_rms(mixed, expected) <= 1e-12
+    for grad, want, v in zip(grads, torch.autograd.grad(expected, exact, g), sources):
+        assert grad.dtype == v.dtype
+        assert rel_rms(grad.double(), want) <= (1e-3 if v.dtype == torch.float16 else 1e-6)
 
 
 @needs_triton
