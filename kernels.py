@@ -220,17 +220,6 @@ def depth_mix(queries, bias, sources, backend, prior=None):
 
 if triton is not None:
     @triton.jit
-    def _load_source(table, LOW, OUT, s, S, offsets, mask, ACC: tl.constexpr):
-        """Row `offsets` of source s, whose address is table[s] and whose dtype is OUT's (table[S + s]
-        = 0) or LOW's (1)."""
-        at = tl.load(table + s)
-        if tl.load(table + S + s) == 0:
-            v = tl.load(at.to(tl.pointer_type(OUT.dtype.element_ty)) + offsets, mask=mask, other=0.).to(ACC)
-        else:
-            v = tl.load(at.to(tl.pointer_type(LOW.dtype.element_ty)) + offsets, mask=mask, other=0.).to(ACC)
-        return v
-
-    @triton.jit
     def _depth_mix_fwd(table, LOW, Q, BIAS, PRIOR, PRIOR_LSE, OUT, LSE, S, M, N, C, eps, HAS_BIAS: tl.constexpr,
                        HAS_PRIOR: tl.constexpr, ACC: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
@@ -247,8 +236,12 @@ if triton is not None:
             run_max = tl.full((BM,), float('-inf'), ACC)
             run_sum = tl.zeros((BM,), ACC)
             acc = tl.zeros((BM, BC), ACC)
-        for s in range(S):  # online softmax over the sources: each is read once
-            v = _load_source(table, LOW, OUT, s, S, t * C + cols, cmask, ACC)
+        for s in range(S):  # online softmax over the sources: each is read once, in its dtype (table[S + s]:
+            addr = tl.load(table + s)  # 0 OUT's, 1 LOW's; inline: the interpreter is slow to call a jit function)
+            if tl.load(table + S + s) == 0:
+                v = tl.load(addr.to(tl.pointer_type(OUT.dtype.element_ty)) + t * C + cols, mask=cmask, other=0.).to(ACC)
+            else:
+                v = tl.load(addr.to(tl.pointer_type(LOW.dtype.element_ty)) + t * C + cols, mask=cmask, other=0.).to(ACC)
             r = 1 / tl.sqrt(tl.sum(v * v, axis=0) / C + eps)
             logit = r * tl.sum(q * v[None, :], axis=1)
             if HAS_BIAS:
@@ -289,8 +282,12 @@ if triton is not None:
                 tl.store(D_PRIOR + at, (w[:, None] * g).to(D_PRIOR.dtype.element_ty), mask=mask)
                 tl.store(D_PRIOR_LSE + rows * N + t, (w * (tl.sum(g * prior, axis=1) - g_out + g_lse)).to(
                     D_PRIOR_LSE.dtype.element_ty), mask=rmask)
-            for s in range(S):
-                v = _load_source(table, LOW, OUT, s, S, t * C + cols, cmask, ACC)
+            for s in range(S):  # as in the forward
+                addr, low = tl.load(table + s), tl.load(table + S + s)
+                if low == 0:
+                    v = tl.load(addr.to(tl.pointer_type(OUT.dtype.element_ty)) + t * C + cols, mask=cmask, other=0.).to(ACC)
+                else:
+                    v = tl.load(addr.to(tl.pointer_type(LOW.dtype.element_ty)) + t * C + cols, mask=cmask, other=0.).to(ACC)
                 r = 1 / tl.sqrt(tl.sum(v * v, axis=0) / C + eps)
                 score = r * tl.sum(q * v[None, :], axis=1)
                 logit = score
@@ -301,7 +298,7 @@ if triton is not None:
                 dv = (tl.sum(w[:, None] * g, axis=0) + r * tl.sum(dl[:, None] * q, axis=0)
                       - (r * r * tl.sum(dl * score, axis=0) / C) * v)
                 dv_at = tl.load(table + 2 * S + s)  # each source's gradient in its dtype
-                if tl.load(table + S + s) == 0:  # (no name may hold two pointer types: the compiler refuses)
+                if low == 0:  # (no name may hold two pointer types: the compiler refuses)
                     tl.store(dv_at.to(tl.pointer_type(OUT.dtype.element_ty)) + t * C + cols,
                              dv.to(OUT.dtype.element_ty), mask=cmask)
                 else:
