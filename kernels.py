@@ -297,13 +297,18 @@ if triton is not None:
                 dl = w * (tl.sum(g * v[None, :], axis=1) - g_out + g_lse)  # d loss / d logit
                 dv = (tl.sum(w[:, None] * g, axis=0) + r * tl.sum(dl[:, None] * q, axis=0)
                       - (r * r * tl.sum(dl * score, axis=0) / C) * v)
-                dv_at = tl.load(table + 2 * S + s)  # each source's gradient in its dtype
+                # each source's gradient in its dtype, written, or added (table[3S + s] = 1) to what other reads
+                dv_at, add = tl.load(table + 2 * S + s), tl.load(table + 3 * S + s)  # of it wrote there
                 if low == 0:  # (no name may hold two pointer types: the compiler refuses)
-                    tl.store(dv_at.to(tl.pointer_type(OUT.dtype.element_ty)) + t * C + cols,
-                             dv.to(OUT.dtype.element_ty), mask=cmask)
+                    dv_hi = dv_at.to(tl.pointer_type(OUT.dtype.element_ty)) + t * C + cols
+                    if add != 0:
+                        dv += tl.load(dv_hi, mask=cmask, other=0.).to(ACC)
+                    tl.store(dv_hi, dv.to(OUT.dtype.element_ty), mask=cmask)
                 else:
-                    tl.store(dv_at.to(tl.pointer_type(LOW.dtype.element_ty)) + t * C + cols,
-                             dv.to(LOW.dtype.element_ty), mask=cmask)
+                    dv_lo = dv_at.to(tl.pointer_type(LOW.dtype.element_ty)) + t * C + cols
+                    if add != 0:
+                        dv += tl.load(dv_lo, mask=cmask, other=0.).to(ACC)
+                    tl.store(dv_lo, dv.to(LOW.dtype.element_ty), mask=cmask)
                 dq += (dl * r)[:, None] * v[None, :]
                 if HAS_BIAS:
                     db += tl.where(srcs[None, :] == s, dl[:, None], 0.)
@@ -354,11 +359,12 @@ def readable(sources, dtype):
     return sources, next((v for v in sources if v.dtype != dtype), None)
 
 
-def source_table(sources, dtype, grads=()):
+def source_table(sources, dtype, grads=(), add=()):
     """One table for a depth-mix kernel (one copy to the GPU): the sources' addresses, their kinds
-    (0: `dtype`, 1: the other) and the addresses of their gradients, if given."""
+    (0: `dtype`, 1: the other), and backward the addresses of their gradients and whether each is
+    written (0) or added to (1)."""
     return on_device([v.data_ptr() for v in sources] + [int(v.dtype != dtype) for v in sources]
-                     + [g.data_ptr() for g in grads], sources[0].device)
+                     + [g.data_ptr() for g in grads] + list(add), sources[0].device)
 
 
 def promoted(sources, dtype):
@@ -402,17 +408,28 @@ def _triton_depth_mix_backward(queries: Tensor, bias: Optional[Tensor], sources:
                                grad_mixed: Tensor, grad_lse: Optional[Tensor]) -> Tuple[Tensor, List[Tensor], List[Tensor]]:
     """The gradients of the queries, of the sources, and of the bias and the prior where given."""
     dtypes = [v.dtype for v in sources]
+    sources = readable(sources, mixed.dtype)[0]
+    grads = [torch.empty_like(v) for v in sources]
+    dq, extra = _depth_mix_backward_into(queries, bias, sources, prior_mixed, prior_lse, mixed, lse, grad_mixed,
+                                         grad_lse, grads, [0] * len(sources))
+    return dq, [cast(g, t) for g, t in zip(grads, dtypes)], extra
+
+
+def _depth_mix_backward_into(queries, bias, sources, prior_mixed, prior_lse, mixed, lse, grad_mixed, grad_lse,
+                             grads, add):
+    """The backward kernel's launch: each source's gradient written into, or added (add[s] = 1) to,
+    grads[s]; -> the queries' gradient, [the bias's] + [the prior's two] where given."""
     sources, low = readable(sources, mixed.dtype)
     acc, acc_tl = accumulator(mixed.dtype)
     (m, C), S, N = queries.shape, len(sources), mixed[0].numel() // queries.shape[1]
-    grads = [torch.empty_like(v) for v in sources]
     programs = reduction_programs(N)
     dq = torch.empty((programs, m, C), device=mixed.device, dtype=acc)
     db = torch.empty((programs, m, S), device=mixed.device, dtype=acc) if bias is not None else None
     has_prior = prior_mixed is not None
     d_prior = torch.empty_like(prior_mixed) if has_prior else None
     d_prior_lse = torch.empty_like(prior_lse) if has_prior else None
-    _depth_mix_bwd[(programs,)](source_table(sources, mixed.dtype, grads), mixed if low is None else low, queries.contiguous(),
+    _depth_mix_bwd[(programs,)](source_table(sources, mixed.dtype, grads, add), mixed if low is None else low,
+                                queries.contiguous(),
                                 bias if bias is None else bias.contiguous(),
                                 prior_mixed if prior_mixed is None else prior_mixed.contiguous(),
                                 prior_lse if prior_lse is None else prior_lse.contiguous(), mixed, lse,
@@ -421,7 +438,15 @@ def _triton_depth_mix_backward(queries: Tensor, bias: Optional[Tensor], sources:
                                 HAS_PRIOR=has_prior, HAS_GLSE=grad_lse is not None, ACC=acc_tl,
                                 BM=next_pow2(m), BC=next_pow2(C), BS=next_pow2(S))
     extra = ([] if db is None else [db.sum(0).to(bias.dtype)]) + ([d_prior, d_prior_lse] if has_prior else [])
-    return dq.sum(0).to(queries.dtype), [cast(g, t) for g, t in zip(grads, dtypes)], extra
+    return dq.sum(0).to(queries.dtype), extra
+
+
+@torch.library.custom_op('resroute::depth_mix_backward_shared', mutates_args=('grads',))
+def _triton_depth_mix_backward_shared(queries: Tensor, bias: Optional[Tensor], sources: List[Tensor], mixed: Tensor,
+                                      lse: Tensor, grad_mixed: Tensor, grad_lse: Optional[Tensor], grads: List[Tensor],
+                                      add: List[int]) -> Tuple[Tensor, List[Tensor]]:
+    """A SharedRead's backward (see there): the sources' gradients into `grads`."""
+    return _depth_mix_backward_into(queries, bias, sources, None, None, mixed, lse, grad_mixed, grad_lse, grads, add)
 
 
 @_triton_depth_mix_backward.register_fake
@@ -450,13 +475,71 @@ def _depth_mix_grads(ctx, grad_mixed, grad_lse):
 _triton_depth_mix.register_autograd(_depth_mix_grads, setup_context=_depth_mix_setup)
 
 
+# ----------------------------------------------------------------------------- reads that share their sources' gradients
+
+class SharedGrads:
+    """The finished sources of one forward, which every later block's phase-1 read and the output mixer
+    read again (Triton kernels, eager). Each such source has one gradient tensor, which every read's
+    backward kernel adds its share to; the source's first reader, the last of them to run backward
+    (every later read depends on its outputs), hands it to autograd, and the others return None for
+    it, so autograd sums nothing (one sum per later reader and source: WAV at 12 layers, 9.7 operators
+    per sublayer). A backward that stops short of the first readers (autograd.grad with inputs inside
+    the model) leaves shares behind for a second backward through the same graph."""
+
+    def __init__(self):
+        self.seen, self.grads = set(), {}
+
+    def read(self, queries, bias, sources):
+        """As depth_mix(queries, bias, sources, 'triton') -> (mixed, lse)."""
+        keys = [id(v) for v in sources]
+        if len(set(keys)) < len(keys) or len({v.dtype for v in sources} - {_mix_dtype(sources, None)}) > 1:
+            return _triton_depth_mix(queries, bias, list(sources), None, None)  # a source twice, or three dtypes
+        owned = [key not in self.seen for key in keys]
+        self.seen.update(keys)
+        return SharedRead.apply(queries, bias, self, keys, owned, *sources)
+
+
+def shared_grads(backend):
+    """A SharedGrads for one forward's phase-1 reads with the Triton kernels in eager mode, else None
+    (the PyTorch twin's sums cost little on a CPU; compiled, the compiler plans the sums)."""
+    return SharedGrads() if backend == 'triton' and not torch.compiler.is_compiling() else None
+
+
+class SharedRead(torch.autograd.Function):
+    """One depth read of SharedGrads' sources: the custom op forward; backward, the kernel adds each
+    source's share into its shared gradient and the gradients of the sources this read owns (it read
+    them first) are returned."""
+
+    @staticmethod
+    def forward(ctx, queries, bias, shared, keys, owned, *sources):
+        mixed, lse = _triton_depth_mix(queries, bias, list(sources), None, None)
+        ctx.save_for_backward(queries, bias, mixed, lse, *sources)
+        ctx.shared, ctx.keys, ctx.owned = shared, keys, owned
+        ctx.set_materialize_grads(False)  # an unused lse gets no gradient, rather than a tensor of zeros
+        return mixed, lse
+
+    @staticmethod
+    def backward(ctx, grad_mixed, grad_lse):
+        queries, bias, mixed, lse, *sources = ctx.saved_tensors
+        grads = ctx.shared.grads
+        add = [int(key in grads) for key in ctx.keys]
+        for key, v in zip(ctx.keys, sources):
+            if key not in grads:  # the last reader of this source, the first to run backward
+                grads[key] = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        dq, extra = _triton_depth_mix_backward_shared(
+            queries, bias, sources, mixed, lse, torch.zeros_like(mixed) if grad_mixed is None else grad_mixed,
+            grad_lse, [grads[key] for key in ctx.keys], add)
+        owned = [grads.pop(key) if own else None for key, own in zip(ctx.keys, ctx.owned)]
+        return dq, extra[0] if bias is not None else None, None, None, None, *owned
+
+
 # ----------------------------------------------------------------------------- the AttnRes family's schedules
 
-def read_many(queries, sources, bias, backend):
+def read_many(queries, sources, bias, backend, shared=None):
     """Phase 1: the queries (m, C) read the same sources in one pass -> m rows (mixed (1, B, T, C),
     lse (1, B, T)). Split once: indexing row k of the whole tensor would give every row's backward a
-    zero gradient of the whole size."""
-    mixed, lse = depth_mix(queries, bias, sources, backend)
+    zero gradient of the whole size. `shared`: a SharedGrads or None."""
+    mixed, lse = shared.read(queries, bias, sources) if shared else depth_mix(queries, bias, sources, backend)
     return list(zip(mixed.split(1), lse.split(1)))
 
 
@@ -467,9 +550,9 @@ def read_on(row, query, more, bias, backend):
     return mixed.view(mixed.shape[1:])  # (a view, not [0]: indexing would cost a zero tensor and a copy in the backward)
 
 
-def read_all(query, sources, bias, backend):
+def read_all(query, sources, bias, backend, shared=None):
     """One query (1, C) reads all the sources (the output mixers) -> (B, T, C)."""
-    mixed = depth_mix(query, bias, sources, backend)[0]
+    mixed = (shared.read(query, bias, sources) if shared else depth_mix(query, bias, sources, backend))[0]
     return mixed.view(mixed.shape[1:])
 
 
@@ -480,15 +563,15 @@ def rows_of(queries, start, m):
     return torch.cat(queries[start:start + m]) if m > 1 else queries[start]
 
 
-def chunked(queries, e, L, backend, step):
+def chunked(queries, e, L, backend, step, shared):
     """Full AttnRes's reads in chunks of about sqrt(L) sublayers: the chunk's queries read the
     finished sources in one pass, and each merges the chunk's own fresh updates. queries: rows;
-    step(i, read) runs sublayer i on its read and returns its update. Returns the sources e, u_0, ...,
-    u_{L-1}."""
+    step(i, read) runs sublayer i on its read and returns its update; shared: a SharedGrads or None.
+    Returns the sources e, u_0, ..., u_{L-1}."""
     sources, chunk = [e], max(1, math.isqrt(L))
     for start in range(0, L, chunk):
         m = min(chunk, L - start)
-        finished, fresh = read_many(rows_of(queries, start, m), sources, None, backend), []
+        finished, fresh = read_many(rows_of(queries, start, m), sources, None, backend, shared), []
         for k in range(m):
             fresh.append(step(start + k, read_on(finished[k], queries[start + k], fresh, None, backend)))
         sources = sources + fresh
@@ -497,9 +580,9 @@ def chunked(queries, e, L, backend, step):
 
 def attnres(module, x, sublayers, backend, mgr_fallback_p):
     """Full AttnRes, chunked; the output mixer reads every source."""
-    queries, L = module.read.queries.split(1), len(sublayers)
-    sources = chunked(queries, x, L, backend, lambda i, read: sublayers[i](read))
-    return read_all(queries[L], sources, None, backend)
+    queries, L, shared = module.read.queries.split(1), len(sublayers), shared_grads(backend)
+    sources = chunked(queries, x, L, backend, lambda i, read: sublayers[i](read), shared)
+    return read_all(queries[L], sources, None, backend, shared)
 
 
 class GatedAdd(torch.autograd.Function):
@@ -527,23 +610,23 @@ def delta_attnres(module, x, sublayers, backend, mgr_fallback_p):
         u = sublayers[i](GatedAdd.apply(x, gates[i], read))
         x = x + u
         return u
-    chunked(module.read.queries.split(1), x, len(sublayers), backend, step)
+    chunked(module.read.queries.split(1), x, len(sublayers), backend, step, shared_grads(backend))
     return x
 
 
 def block_attnres(module, x, sublayers, backend, mgr_fallback_p):
     """Block AttnRes in two phases: the queries of a block read e and the finished block sums in one
     pass; each then merges the block's partial sum PC, once the block has begun."""
-    queries, L, sources = module.read.queries.split(1), len(sublayers), [x]
+    queries, L, sources, shared = module.read.queries.split(1), len(sublayers), [x], shared_grads(backend)
     for start in range(0, L, module.block_len):
         m = min(module.block_len, L - start)
-        finished, partial = read_many(rows_of(queries, start, m), sources, None, backend), None
+        finished, partial = read_many(rows_of(queries, start, m), sources, None, backend, shared), None
         for k in range(m):
             h = read_on(finished[k], queries[start + k], [] if partial is None else [partial], None, backend)
             u = sublayers[start + k](h)
             partial = u if partial is None else partial + u
         sources = sources + [partial]
-    return read_all(queries[L], sources, None, backend)
+    return read_all(queries[L], sources, None, backend, shared)
 
 
 def rms_match_torch(details, state, rho, eps=1e-6):
@@ -705,12 +788,12 @@ def wav(module, x, sublayers, backend, mgr_fallback_p):
     blocks, types = wav_plan(module, L)
     readout = types if module.detail_readout else [t for t in types if t < 0]  # conservative: e and block sums
     biases = iter(detail_biases(module, blocks, readout))
-    sources = [x]  # the finished pool
+    sources, shared = [x], shared_grads(backend)  # the finished pool
     for start, m, _, own in blocks:
         coeffs = detail_signs(m, module.levels) if module.basis_delta is None else module.basis(m)
         # a fixed basis may repeat a row (m = 2: phase and split are both (+1, -1)): accumulated once
         same = [coeffs.index(row) if module.basis_delta is None else d for d, row in enumerate(coeffs)]
-        finished = read_many(rows_of(queries, start, m), sources, next(biases), backend)
+        finished = read_many(rows_of(queries, start, m), sources, next(biases), backend, shared)
         partial = raw = None  # PC and the raw partial details P_d
         for k in range(m):
             more = [] if k == 0 else [partial] + rms_match([raw[d] for d in own[k][1:]], partial, module.rho, backend)
@@ -726,7 +809,7 @@ def wav(module, x, sublayers, backend, mgr_fallback_p):
                                          else [None] * len(begun))
     if not module.detail_readout:
         sources = [s for s, t in zip(sources, types) if t < 0]
-    return read_all(queries[L], sources, next(biases), backend)
+    return read_all(queries[L], sources, next(biases), backend, shared)
 
 
 # ----------------------------------------------------------------------------- HC and mHC-lite: recomputed streams
