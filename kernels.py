@@ -348,12 +348,16 @@ def common_dtype(sources):
     return dtypes.pop() if len(dtypes) == 1 else functools.reduce(torch.promote_types, dtypes)
 
 
+def other_dtypes(sources, dtype):
+    return {v.dtype for v in sources} - {dtype}
+
+
 def readable(sources, dtype):
     """The depth-mix kernels read each source in the mix's dtype or in one other (under autocast: a
     float32 e beside bfloat16 updates) through its own pointer type, so nothing is copied to one
     dtype; a source of a third dtype is (a temporary copy). -> (the sources, contiguous, and one of
     the other dtype for its pointer type, or None)."""
-    others = {v.dtype for v in sources} - {dtype}
+    others = other_dtypes(sources, dtype)
     low = others.pop() if len(others) == 1 else dtype
     sources = [v.contiguous() if v.dtype in (dtype, low) else v.to(dtype).contiguous() for v in sources]
     return sources, next((v for v in sources if v.dtype != dtype), None)
@@ -492,7 +496,7 @@ class SharedGrads:
     def read(self, queries, bias, sources):
         """As depth_mix(queries, bias, sources, 'triton') -> (mixed, lse)."""
         keys = [id(v) for v in sources]
-        if len(set(keys)) < len(keys) or len({v.dtype for v in sources} - {_mix_dtype(sources, None)}) > 1:
+        if len(set(keys)) < len(keys) or len(other_dtypes(sources, common_dtype(sources))) > 1:
             return _triton_depth_mix(queries, bias, list(sources), None, None)  # a source twice, or three dtypes
         owned = [key not in self.seen for key in keys]
         self.seen.update(keys)
