@@ -16,8 +16,8 @@ or its own forward (the reference, and every method without a twin here). The te
 twin equal to the reference, in value and in every gradient.
 
 depth_mix (AttnRes family, WAV): m queries read a list of S sources (B, T, C). DepthMix in PyTorch
-works one source at a time; the Triton kernel runs one program per token and reads each source
-once in the forward (RMS, dots with every query and an online softmax in one pass) and once in the
+works one source at a time; the Triton kernel runs one program per tile of tokens (one token at
+GPT-2's widths, several at small ones: token_tile) and reads each source once in the forward (RMS, dots with every query and an online softmax in one pass) and once in the
 backward. The sources are never stacked.
 
 Two-phase reads (the AttnRes paper's schedule): the queries of a block (or of a chunk of about
@@ -118,8 +118,21 @@ def next_pow2(x):
 
 def reduction_programs(n_tokens):
     """Programs of a backward kernel that also reduces over tokens (query, bias grads): each loops
-    over tokens and writes one partial sum, so there are no atomics and the result is deterministic."""
+    over tokens (or tiles of tokens) and writes one partial sum, so there are no atomics and the
+    result is deterministic."""
     return min(n_tokens, 512)
+
+
+TILE = 1024  # elements of a (queries, tokens, channels) block in a depth-mix or RMS-match program
+
+
+def token_tile(m, C, N):
+    """Tokens per program of the depth-mix and RMS-match kernels, for m queries of width C over N
+    tokens: as many as keep a (queries, tokens, channels) block within TILE elements. One token from
+    width 513 on (GPT-2's 768: a program per token, as the kernels were first measured); at small
+    widths several, where one token's program would sit nearly idle (and the interpreter, which pays
+    per operation, runs the tests many times faster)."""
+    return max(1, min(next_pow2(N), TILE // (next_pow2(m) * next_pow2(C))))
 
 
 # ----------------------------------------------------------------------------- depth mixing
@@ -221,101 +234,107 @@ def depth_mix(queries, bias, sources, backend, prior=None):
 if triton is not None:
     @triton.jit
     def _depth_mix_fwd(table, LOW, Q, BIAS, PRIOR, PRIOR_LSE, OUT, LSE, S, M, N, C, eps, HAS_BIAS: tl.constexpr,
-                       HAS_PRIOR: tl.constexpr, ACC: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr):
-        t = tl.program_id(0).to(tl.int64)
+                       HAS_PRIOR: tl.constexpr, ACC: tl.constexpr, BM: tl.constexpr, BT: tl.constexpr,
+                       BC: tl.constexpr):
+        # a tile of BT tokens: (queries, tokens, channels) blocks, (queries, tokens) statistics
+        toks = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
         rows, cols = tl.arange(0, BM), tl.arange(0, BC)
-        rmask, cmask = rows < M, cols < C
-        mask = rmask[:, None] & cmask[None, :]
-        at = rows[:, None] * N * C + t * C + cols[None, :]
-        q = tl.load(Q + rows[:, None] * C + cols[None, :], mask=mask, other=0.).to(ACC)
+        rmask, tmask, cmask = rows < M, toks < N, cols < C
+        stat_at, stat_mask = rows[:, None] * N + toks[None, :], rmask[:, None] & tmask[None, :]
+        at = rows[:, None, None] * N * C + toks[None, :, None] * C + cols[None, None, :]
+        mask = stat_mask[:, :, None] & cmask[None, None, :]
+        v_at, v_mask = toks[:, None] * C + cols[None, :], tmask[:, None] & cmask[None, :]
+        q = tl.load(Q + rows[:, None] * C + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.).to(ACC)
         if HAS_PRIOR:  # the sources read before: one more source, with its log-sum-exp as its logit
-            run_max = tl.load(PRIOR_LSE + rows * N + t, mask=rmask, other=0.).to(ACC)
-            run_sum = tl.full((BM,), 1., ACC)
+            run_max = tl.load(PRIOR_LSE + stat_at, mask=stat_mask, other=0.).to(ACC)
+            run_sum = tl.full((BM, BT), 1., ACC)
             acc = tl.load(PRIOR + at, mask=mask, other=0.).to(ACC)
         else:
-            run_max = tl.full((BM,), float('-inf'), ACC)
-            run_sum = tl.zeros((BM,), ACC)
-            acc = tl.zeros((BM, BC), ACC)
+            run_max = tl.full((BM, BT), float('-inf'), ACC)
+            run_sum = tl.zeros((BM, BT), ACC)
+            acc = tl.zeros((BM, BT, BC), ACC)
         for s in range(S):  # online softmax over the sources: each is read once, in its dtype (table[S + s]:
             addr = tl.load(table + s)  # 0 OUT's, 1 LOW's; inline: the interpreter is slow to call a jit function)
             if tl.load(table + S + s) == 0:
-                v = tl.load(addr.to(tl.pointer_type(OUT.dtype.element_ty)) + t * C + cols, mask=cmask, other=0.).to(ACC)
+                v = tl.load(addr.to(tl.pointer_type(OUT.dtype.element_ty)) + v_at, mask=v_mask, other=0.).to(ACC)
             else:
-                v = tl.load(addr.to(tl.pointer_type(LOW.dtype.element_ty)) + t * C + cols, mask=cmask, other=0.).to(ACC)
-            r = 1 / tl.sqrt(tl.sum(v * v, axis=0) / C + eps)
-            logit = r * tl.sum(q * v[None, :], axis=1)
+                v = tl.load(addr.to(tl.pointer_type(LOW.dtype.element_ty)) + v_at, mask=v_mask, other=0.).to(ACC)
+            r = 1 / tl.sqrt(tl.sum(v * v, axis=1) / C + eps)
+            logit = r[None, :] * tl.sum(q[:, None, :] * v[None, :, :], axis=2)
             if HAS_BIAS:
-                logit += tl.load(BIAS + rows * S + s, mask=rmask, other=0.).to(ACC)
+                logit += tl.load(BIAS + rows * S + s, mask=rmask, other=0.).to(ACC)[:, None]
             new_max = tl.maximum(run_max, logit)
             old, p = tl.exp(run_max - new_max), tl.exp(logit - new_max)
             run_sum = run_sum * old + p
-            acc = acc * old[:, None] + p[:, None] * v[None, :]
+            acc = acc * old[:, :, None] + p[:, :, None] * v[None, :, :]
             run_max = new_max
-        mixed = acc / run_sum[:, None]
+        mixed = acc / run_sum[:, :, None]
         tl.store(OUT + at, mixed.to(OUT.dtype.element_ty), mask=mask)
-        tl.store(LSE + rows * N + t, run_max + tl.log(run_sum), mask=rmask)
+        tl.store(LSE + stat_at, run_max + tl.log(run_sum), mask=stat_mask)
 
     @triton.jit
     def _depth_mix_bwd(table, LOW, Q, BIAS, PRIOR, PRIOR_LSE, OUT, LSE, G, GLSE, DQ, DB, D_PRIOR,
                        D_PRIOR_LSE, S, M, N, C, eps, HAS_BIAS: tl.constexpr, HAS_PRIOR: tl.constexpr,
-                       HAS_GLSE: tl.constexpr, ACC: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr,
-                       BS: tl.constexpr):
+                       HAS_GLSE: tl.constexpr, ACC: tl.constexpr, BM: tl.constexpr, BT: tl.constexpr,
+                       BC: tl.constexpr, BS: tl.constexpr):
         pid, programs = tl.program_id(0), tl.num_programs(0)
         rows, cols, srcs = tl.arange(0, BM), tl.arange(0, BC), tl.arange(0, BS)
         rmask, cmask = rows < M, cols < C
-        mask = rmask[:, None] & cmask[None, :]
-        q = tl.load(Q + rows[:, None] * C + cols[None, :], mask=mask, other=0.).to(ACC)
+        q = tl.load(Q + rows[:, None] * C + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.).to(ACC)
         dq = tl.zeros((BM, BC), ACC)
         db = tl.zeros((BM, BS), ACC)
-        for token in range(pid, N, programs):
-            t = pid.to(tl.int64) + (token - pid)  # int64 offsets (the interpreter yields Python ints here)
-            at = rows[:, None] * N * C + t * C + cols[None, :]
+        for tile in range(pid, tl.cdiv(N, BT), programs):  # each program: every programs-th tile of BT tokens
+            toks = (pid.to(tl.int64) + (tile - pid)) * BT + tl.arange(0, BT)  # int64 (the interpreter: Python ints)
+            tmask = toks < N
+            stat_at, stat_mask = rows[:, None] * N + toks[None, :], rmask[:, None] & tmask[None, :]
+            at = rows[:, None, None] * N * C + toks[None, :, None] * C + cols[None, None, :]
+            mask = stat_mask[:, :, None] & cmask[None, None, :]
+            v_at, v_mask = toks[:, None] * C + cols[None, :], tmask[:, None] & cmask[None, :]
             g = tl.load(G + at, mask=mask, other=0.).to(ACC)
-            g_out = tl.sum(g * tl.load(OUT + at, mask=mask, other=0.).to(ACC), axis=1)
-            g_lse = tl.zeros((BM,), ACC)
+            g_out = tl.sum(g * tl.load(OUT + at, mask=mask, other=0.).to(ACC), axis=2)
+            g_lse = tl.zeros((BM, BT), ACC)
             if HAS_GLSE:
-                g_lse = tl.load(GLSE + rows * N + t, mask=rmask, other=0.).to(ACC)
-            lse = tl.load(LSE + rows * N + t, mask=rmask, other=0.).to(ACC)
+                g_lse = tl.load(GLSE + stat_at, mask=stat_mask, other=0.).to(ACC)
+            lse = tl.load(LSE + stat_at, mask=stat_mask, other=0.).to(ACC)
             if HAS_PRIOR:
                 prior = tl.load(PRIOR + at, mask=mask, other=0.).to(ACC)
-                w = tl.where(rmask, tl.exp(tl.load(PRIOR_LSE + rows * N + t, mask=rmask, other=0.).to(ACC) - lse), 0.)
-                tl.store(D_PRIOR + at, (w[:, None] * g).to(D_PRIOR.dtype.element_ty), mask=mask)
-                tl.store(D_PRIOR_LSE + rows * N + t, (w * (tl.sum(g * prior, axis=1) - g_out + g_lse)).to(
-                    D_PRIOR_LSE.dtype.element_ty), mask=rmask)
+                w = tl.where(stat_mask, tl.exp(tl.load(PRIOR_LSE + stat_at, mask=stat_mask, other=0.).to(ACC) - lse), 0.)
+                tl.store(D_PRIOR + at, (w[:, :, None] * g).to(D_PRIOR.dtype.element_ty), mask=mask)
+                tl.store(D_PRIOR_LSE + stat_at, (w * (tl.sum(g * prior, axis=2) - g_out + g_lse)).to(
+                    D_PRIOR_LSE.dtype.element_ty), mask=stat_mask)
             for s in range(S):  # as in the forward
                 addr, low = tl.load(table + s), tl.load(table + S + s)
                 if low == 0:
-                    v = tl.load(addr.to(tl.pointer_type(OUT.dtype.element_ty)) + t * C + cols, mask=cmask, other=0.).to(ACC)
+                    v = tl.load(addr.to(tl.pointer_type(OUT.dtype.element_ty)) + v_at, mask=v_mask, other=0.).to(ACC)
                 else:
-                    v = tl.load(addr.to(tl.pointer_type(LOW.dtype.element_ty)) + t * C + cols, mask=cmask, other=0.).to(ACC)
-                r = 1 / tl.sqrt(tl.sum(v * v, axis=0) / C + eps)
-                score = r * tl.sum(q * v[None, :], axis=1)
+                    v = tl.load(addr.to(tl.pointer_type(LOW.dtype.element_ty)) + v_at, mask=v_mask, other=0.).to(ACC)
+                r = 1 / tl.sqrt(tl.sum(v * v, axis=1) / C + eps)
+                score = r[None, :] * tl.sum(q[:, None, :] * v[None, :, :], axis=2)
                 logit = score
                 if HAS_BIAS:
-                    logit += tl.load(BIAS + rows * S + s, mask=rmask, other=0.).to(ACC)
-                w = tl.where(rmask, tl.exp(logit - lse), 0.)
-                dl = w * (tl.sum(g * v[None, :], axis=1) - g_out + g_lse)  # d loss / d logit
-                dv = (tl.sum(w[:, None] * g, axis=0) + r * tl.sum(dl[:, None] * q, axis=0)
-                      - (r * r * tl.sum(dl * score, axis=0) / C) * v)
+                    logit += tl.load(BIAS + rows * S + s, mask=rmask, other=0.).to(ACC)[:, None]
+                w = tl.where(stat_mask, tl.exp(logit - lse), 0.)
+                dl = w * (tl.sum(g * v[None, :, :], axis=2) - g_out + g_lse)  # d loss / d logit
+                dv = (tl.sum(w[:, :, None] * g, axis=0) + r[:, None] * tl.sum(dl[:, :, None] * q[:, None, :], axis=0)
+                      - (r * r * tl.sum(dl * score, axis=0) / C)[:, None] * v)
                 # each source's gradient in its dtype, written, or added (table[3S + s] = 1) to what other reads
                 dv_at, add = tl.load(table + 2 * S + s), tl.load(table + 3 * S + s)  # of it wrote there
                 if low == 0:  # (no name may hold two pointer types: the compiler refuses)
-                    dv_hi = dv_at.to(tl.pointer_type(OUT.dtype.element_ty)) + t * C + cols
+                    dv_hi = dv_at.to(tl.pointer_type(OUT.dtype.element_ty)) + v_at
                     if add != 0:
-                        dv += tl.load(dv_hi, mask=cmask, other=0.).to(ACC)
-                    tl.store(dv_hi, dv.to(OUT.dtype.element_ty), mask=cmask)
+                        dv += tl.load(dv_hi, mask=v_mask, other=0.).to(ACC)
+                    tl.store(dv_hi, dv.to(OUT.dtype.element_ty), mask=v_mask)
                 else:
-                    dv_lo = dv_at.to(tl.pointer_type(LOW.dtype.element_ty)) + t * C + cols
+                    dv_lo = dv_at.to(tl.pointer_type(LOW.dtype.element_ty)) + v_at
                     if add != 0:
-                        dv += tl.load(dv_lo, mask=cmask, other=0.).to(ACC)
-                    tl.store(dv_lo, dv.to(LOW.dtype.element_ty), mask=cmask)
-                dq += (dl * r)[:, None] * v[None, :]
+                        dv += tl.load(dv_lo, mask=v_mask, other=0.).to(ACC)
+                    tl.store(dv_lo, dv.to(LOW.dtype.element_ty), mask=v_mask)
+                dq += tl.sum((dl * r[None, :])[:, :, None] * v[None, :, :], axis=1)
                 if HAS_BIAS:
-                    db += tl.where(srcs[None, :] == s, dl[:, None], 0.)
-        tl.store(DQ + pid * M * C + rows[:, None] * C + cols[None, :], dq, mask=mask)
+                    db += tl.where(srcs[None, :] == s, tl.sum(dl, axis=1)[:, None], 0.)
+        tl.store(DQ + pid * M * C + rows[:, None] * C + cols[None, :], dq, mask=rmask[:, None] & cmask[None, :])
         if HAS_BIAS:
             tl.store(DB + pid * M * S + rows[:, None] * S + srcs[None, :], db, mask=rmask[:, None] & (srcs[None, :] < S))
-
 
 def on_device(values, device):
     """A few host integers (addresses, indices) as an int64 tensor on `device`. On a GPU they go through
@@ -391,11 +410,13 @@ def _triton_depth_mix(queries: Tensor, bias: Optional[Tensor], sources: List[Ten
     (m, C), S, N = queries.shape, len(sources), sources[0].numel() // queries.shape[1]
     mixed = sources[0].new_empty((m,) + sources[0].shape, dtype=dtype)
     lse = torch.empty((m,) + sources[0].shape[:-1], device=queries.device, dtype=acc)
-    _depth_mix_fwd[(N,)](source_table(sources, dtype), mixed if low is None else low, queries.contiguous(), bias if bias is None else bias.contiguous(),
+    BT = token_tile(m, C, N)
+    _depth_mix_fwd[(triton.cdiv(N, BT),)](source_table(sources, dtype), mixed if low is None else low,
+                         queries.contiguous(), bias if bias is None else bias.contiguous(),
                          prior_mixed if prior_mixed is None else prior_mixed.contiguous(),
                          prior_lse if prior_lse is None else prior_lse.contiguous(), mixed, lse,
                          S, m, N, C, RMS_EPS, HAS_BIAS=bias is not None, HAS_PRIOR=prior_mixed is not None,
-                         ACC=acc_tl, BM=next_pow2(m), BC=next_pow2(C))
+                         ACC=acc_tl, BM=next_pow2(m), BT=BT, BC=next_pow2(C))
     return mixed, lse
 
 
@@ -426,7 +447,8 @@ def _depth_mix_backward_into(queries, bias, sources, prior_mixed, prior_lse, mix
     sources, low = readable(sources, mixed.dtype)
     acc, acc_tl = accumulator(mixed.dtype)
     (m, C), S, N = queries.shape, len(sources), mixed[0].numel() // queries.shape[1]
-    programs = reduction_programs(N)
+    BT = token_tile(m, C, N)
+    programs = reduction_programs(triton.cdiv(N, BT))
     dq = torch.empty((programs, m, C), device=mixed.device, dtype=acc)
     db = torch.empty((programs, m, S), device=mixed.device, dtype=acc) if bias is not None else None
     has_prior = prior_mixed is not None
@@ -440,7 +462,7 @@ def _depth_mix_backward_into(queries, bias, sources, prior_mixed, prior_lse, mix
                                 grad_mixed.contiguous(), grad_lse if grad_lse is None else grad_lse.contiguous(),
                                 dq, db, d_prior, d_prior_lse, S, m, N, C, RMS_EPS, HAS_BIAS=bias is not None,
                                 HAS_PRIOR=has_prior, HAS_GLSE=grad_lse is not None, ACC=acc_tl,
-                                BM=next_pow2(m), BC=next_pow2(C), BS=next_pow2(S))
+                                BM=next_pow2(m), BT=BT, BC=next_pow2(C), BS=next_pow2(S))
     extra = ([] if db is None else [db.sum(0).to(bias.dtype)]) + ([d_prior, d_prior_lse] if has_prior else [])
     return dq.sum(0).to(queries.dtype), extra
 
@@ -656,30 +678,34 @@ def rms_match(details, state, rho, backend):
 
 if triton is not None:
     @triton.jit
-    def _rms_match_fwd(table, STATE, SCALE, D, N, C, rho, eps, ACC: tl.constexpr, BC: tl.constexpr):
-        t = tl.program_id(0).to(tl.int64)
+    def _rms_match_fwd(table, STATE, SCALE, D, N, C, rho, eps, ACC: tl.constexpr, BT: tl.constexpr,
+                       BC: tl.constexpr):
+        toks = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)  # a tile of BT tokens
         cols = tl.arange(0, BC)
-        cmask = cols < C
-        c = tl.load(STATE + t * C + cols, mask=cmask, other=0.).to(ACC)
-        rms_c = tl.sqrt(tl.sum(c * c, axis=0) / C)
+        tmask = toks < N
+        at, mask = toks[:, None] * C + cols[None, :], tmask[:, None] & (cols < C)[None, :]
+        c = tl.load(STATE + at, mask=mask, other=0.).to(ACC)
+        rms_c = tl.sqrt(tl.sum(c * c, axis=1) / C)
         for d in range(D):  # every detail against the same state, each read once
             ptr = tl.load(table + d).to(tl.pointer_type(STATE.dtype.element_ty))
-            v = tl.load(ptr + t * C + cols, mask=cmask, other=0.).to(ACC)
-            scale = tl.minimum(rms_c / (tl.sqrt(tl.sum(v * v, axis=0) / C) + eps), rho)
+            v = tl.load(ptr + at, mask=mask, other=0.).to(ACC)
+            scale = tl.minimum(rms_c / (tl.sqrt(tl.sum(v * v, axis=1) / C) + eps), rho)
             out = tl.load(table + D + d).to(tl.pointer_type(STATE.dtype.element_ty))
-            tl.store(out + t * C + cols, (v * scale).to(STATE.dtype.element_ty), mask=cmask)
-            tl.store(SCALE + d * N + t, scale)
+            tl.store(out + at, (v * scale[:, None]).to(STATE.dtype.element_ty), mask=mask)
+            tl.store(SCALE + d * N + toks, scale, mask=tmask)
 
     @triton.jit
-    def _rms_match_bwd(table, G, SCALE, D, N, C, BC: tl.constexpr):
-        t = tl.program_id(0).to(tl.int64)
+    def _rms_match_bwd(table, G, SCALE, D, N, C, BT: tl.constexpr, BC: tl.constexpr):
+        toks = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
         cols = tl.arange(0, BC)
-        cmask = cols < C
+        tmask = toks < N
+        at, mask = toks[:, None] * C + cols[None, :], tmask[:, None] & (cols < C)[None, :]
         for d in range(D):  # the scale is detached: each detail's gradient is the output's, scaled
             g_ptr = tl.load(table + d).to(tl.pointer_type(G.dtype.element_ty))
-            g = tl.load(g_ptr + t * C + cols, mask=cmask, other=0.).to(SCALE.dtype.element_ty)
+            g = tl.load(g_ptr + at, mask=mask, other=0.).to(SCALE.dtype.element_ty)
+            scale = tl.load(SCALE + d * N + toks, mask=tmask, other=0.)
             out = tl.load(table + D + d).to(tl.pointer_type(G.dtype.element_ty))
-            tl.store(out + t * C + cols, (g * tl.load(SCALE + d * N + t)).to(G.dtype.element_ty), mask=cmask)
+            tl.store(out + at, (g * scale[:, None]).to(G.dtype.element_ty), mask=mask)
 
 
 @torch.library.custom_op('resroute::rms_match', mutates_args=())
@@ -690,8 +716,9 @@ def _triton_rms_match(state: Tensor, details: List[Tensor], rho: float) -> Tuple
     N, C = state.numel() // state.shape[-1], state.shape[-1]
     matched = [torch.empty_like(d) for d in details]
     scales = torch.empty((len(details), N), device=state.device, dtype=acc)
-    _rms_match_fwd[(N,)](_address_table(details + matched), state, scales, len(details), N, C, rho,
-                         1e-6, ACC=acc_tl, BC=next_pow2(C))
+    BT = token_tile(1, C, N)
+    _rms_match_fwd[(triton.cdiv(N, BT),)](_address_table(details + matched), state, scales, len(details), N, C,
+                                          rho, 1e-6, ACC=acc_tl, BT=BT, BC=next_pow2(C))
     return matched, scales
 
 
@@ -707,7 +734,9 @@ def _triton_rms_match_backward(grads: List[Tensor], scales: Tensor) -> List[Tens
     grads = promoted(grads, common_dtype(grads))  # in their dtype (computed in the scales')
     N, C = scales.shape[1], grads[0].shape[-1]
     out = [torch.empty_like(g) for g in grads]
-    _rms_match_bwd[(N,)](_address_table(grads + out), grads[0], scales, len(grads), N, C, BC=next_pow2(C))
+    BT = token_tile(1, C, N)
+    _rms_match_bwd[(triton.cdiv(N, BT),)](_address_table(grads + out), grads[0], scales, len(grads), N, C, BT=BT,
+                                          BC=next_pow2(C))
     return out
 
 

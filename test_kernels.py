@@ -627,15 +627,20 @@ def capture(self, *args, grid, warmup, **kwargs):
                                       else mangle_type(bound[p.name]) for p in self.params)
     launches.setdefault(key, (self, bound))
 JITFunction.run = capture  # nothing runs: the outputs stay uninitialised, and the launches are recorded
-for name in RESIDUALS:
-    for dtype, autocast in [(torch.float32, False), (torch.float64, False), (torch.float32, True)]:
-        torch.manual_seed(0)
-        model = GPT(GPTConfig(n_layer=2, n_embd=16, n_head=2, block_size=8, vocab_size=32, residual=name)).to(dtype)
-        model.kernels = 'triton'  # (set_kernels would refuse a CPU without the interpreter)
-        idx = torch.randint(32, (1, 8))
-        with torch.autocast('cpu', dtype=torch.bfloat16, enabled=autocast):
-            _, loss = model(idx, idx)
-        loss.backward()
+# every method in each dtype at width 16 (the depth-mix kernels: tiles of several tokens), and the
+# depth-mix reads with and without biases (block_attnres, wav) at width 1024 too (one token per
+# program, as at GPT-2's widths)
+cases = [(name, 16, dtype, autocast) for name in RESIDUALS
+         for dtype, autocast in [(torch.float32, False), (torch.float64, False), (torch.float32, True)]]
+cases += [(name, 1024, torch.float32, False) for name in ('block_attnres', 'wav')]
+for name, width, dtype, autocast in cases:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_embd=width, n_head=2, block_size=8, vocab_size=32, residual=name)).to(dtype)
+    model.kernels = 'triton'  # (set_kernels would refuse a CPU without the interpreter)
+    idx = torch.randint(32, (1, 8))
+    with torch.autocast('cpu', dtype=torch.bfloat16, enabled=autocast):
+        _, loss = model(idx, idx)
+    loss.backward()
 failed = []
 for key, (fn, bound) in launches.items():
     constant = lambda p: p.is_constexpr or bound[p.name] is None
@@ -645,7 +650,8 @@ for key, (fn, bound) in launches.items():
                                                                           if constant(p)}), target=GPUTarget('cuda', 90, 32))
     except Exception as e:
         failed.append(f"{key}: {e!r}")
-print(len(launches), sorted({key[0] for key in launches}))
+tiles = {bound['BT'] for fn, bound in launches.values() if fn.fn.__name__ == '_depth_mix_bwd'}
+print(len(launches), sorted({key[0] for key in launches}), 'tiles', sorted(tiles))
 sys.exit('\\n'.join(failed) or None)
 """
 
@@ -665,6 +671,7 @@ def test_every_triton_kernel_compiles_for_a_cuda_gpu():
                             capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
     count, names = result.stdout.split(' ', 1)
+    assert names.endswith('tiles [1, 8]\n'), result.stdout  # one token per program, and several
     assert int(count) >= 60 and all(k in names for k in ('_depth_mix_bwd', '_rms_match_fwd', '_stream_mix_bwd',
                                                          '_advance_bwd', '_mgr_step_bwd')), result.stdout
 
