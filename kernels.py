@@ -123,12 +123,12 @@ def reduction_programs(n_tokens):
     return min(n_tokens, 512)
 
 
-TILE = 1024  # elements of a (queries, tokens, channels) block in a depth-mix or RMS-match program
+TILE = 1024  # elements of a (queries, tokens, channels) block in a depth-mix, RMS-match or MGR-step program
 
 
 def token_tile(m, C, N):
-    """Tokens per program of the depth-mix and RMS-match kernels, for m queries of width C over N
-    tokens: as many as keep a (queries, tokens, channels) block within TILE elements. One token from
+    """Tokens per program of the depth-mix, RMS-match and MGR-step kernels, for m queries (MGR: n
+    streams) of width C over N tokens: as many as keep an (m, tokens, C) block within TILE elements. One token from
     width 513 on (GPT-2's 768: a program per token, as the kernels were first measured); at small
     widths several, where one token's program would sit nearly idle (and the interpreter, which pays
     per operation, runs the tests many times faster)."""
@@ -1026,6 +1026,16 @@ def mhc_connect(coefficients, i, projected):
 # and H <- H' + post^T f(h) has a one-kernel backward. Kinds: HC (dynamic), HC static, mHC-lite.
 HC, HC_STATIC, MHC = 0, 1, 2
 STREAM_BC = 256  # columns per pass: the (n + 1, n, BC) products stay small in registers
+STREAM_TILE = 8192  # elements of a program's largest block: (tokens, n + 1, n, BC) or mHC's (tokens, n!, n + 1, n)
+
+
+def stream_tile(n, C, n_perm, N):
+    """Tokens per program of the stream kernels: one at GPT-2's width (n = 4: an (n + 1, n, 256) block
+    fills the budget), several at small widths (as token_tile for the depth mix)."""
+    NP, NP1 = next_pow2(n), next_pow2(n + 1)
+    block = NP1 * NP * max(min(next_pow2(C), STREAM_BC), next_pow2(n_perm))
+    return max(1, min(next_pow2(N), STREAM_TILE // block))
+
 
 if triton is not None:
     @triton.jit
@@ -1033,89 +1043,98 @@ if triton is not None:
         return 1 / (1 + tl.exp(-x))
 
     @triton.jit
-    def _stream_connect(XW, P0, P1, P2, P3, t, r, n, K, n_perm, KIND: tl.constexpr, ACC: tl.constexpr,
-                        NP: tl.constexpr, NP1: tl.constexpr, PP: tl.constexpr):
-        """Token t's connections A^T (NP1, NP) (row 0 reads h, rows 1..n the streams H') and post (NP,),
-        from XW (HC: (n, K) per token, K = n + 2; mHC: (K,), K = 2n + n!) and r: 1/RMS per stream (NP,)
-        for HC, of all n streams together for mHC. Also returns what the backward needs: HC: P^T, its
-        tanh, the depth column's P and tanh; mHC: the permutation table, the softmax weights, P's parts."""
+    def _stream_connect(XW, P0, P1, P2, P3, t, tmask, r, n, K, n_perm, KIND: tl.constexpr, ACC: tl.constexpr,
+                        BT: tl.constexpr, NP: tl.constexpr, NP1: tl.constexpr, PP: tl.constexpr):
+        """The tokens t's (BT,) connections A^T (BT, NP1, NP) (row 0 reads h, rows 1..n the streams H') and
+        post (BT, NP), from XW (HC: (n, K) per token, K = n + 2; mHC: (K,), K = 2n + n!) and r: 1/RMS per
+        stream (BT, NP) for HC, of all n streams together (BT,) for mHC. Also returns what the backward
+        needs: HC: P^T, its tanh, the depth column's P and tanh; mHC: the permutation table, the softmax
+        weights, P's parts."""
         k, j, p = tl.arange(0, NP), tl.arange(0, NP1), tl.arange(0, PP)
         kmask, jmask, pmask = k < n, j < n + 1, p < n_perm
         m2 = jmask[:, None] & kmask[None, :]
+        tk, tp = tmask[:, None] & kmask[None, :], tmask[:, None] & pmask[None, :]
         if KIND == 2:  # mHC-lite: P0 alpha (3), P1 bias (K), P2 the permutations (n!, n) as stream indices
             a_pre, a_post, a_res = tl.load(P0).to(ACC), tl.load(P0 + 1).to(ACC), tl.load(P0 + 2).to(ACC)
-            p_pre = r * tl.load(XW + t * K + k, mask=kmask, other=0.).to(ACC)
-            p_post = r * tl.load(XW + t * K + n + k, mask=kmask, other=0.).to(ACC)
-            p_res = r * tl.load(XW + t * K + 2 * n + p, mask=pmask, other=0.).to(ACC)
-            h_pre = _sigmoid(a_pre * p_pre + tl.load(P1 + k, mask=kmask, other=0.).to(ACC))
-            post = 2 * _sigmoid(a_post * p_post + tl.load(P1 + n + k, mask=kmask, other=0.).to(ACC))
-            z = tl.where(pmask, a_res * p_res + tl.load(P1 + 2 * n + p, mask=pmask, other=0.).to(ACC), float('-inf'))
-            w = tl.exp(z - tl.max(z, axis=0))
-            w = w / tl.sum(w, axis=0)
+            p_pre = r[:, None] * tl.load(XW + t[:, None] * K + k[None, :], mask=tk, other=0.).to(ACC)
+            p_post = r[:, None] * tl.load(XW + t[:, None] * K + n + k[None, :], mask=tk, other=0.).to(ACC)
+            p_res = r[:, None] * tl.load(XW + t[:, None] * K + 2 * n + p[None, :], mask=tp, other=0.).to(ACC)
+            h_pre = _sigmoid(a_pre * p_pre + tl.load(P1 + k, mask=kmask, other=0.).to(ACC)[None, :])
+            post = 2 * _sigmoid(a_post * p_post + tl.load(P1 + n + k, mask=kmask, other=0.).to(ACC)[None, :])
+            z = tl.where(pmask[None, :], a_res * p_res + tl.load(P1 + 2 * n + p, mask=pmask, other=0.).to(ACC)[None, :],
+                         float('-inf'))
+            w = tl.exp(z - tl.max(z, axis=1)[:, None])
+            w = w / tl.sum(w, axis=1)[:, None]
             # perm[p, j]: the stream that row j of permutation p reads (-1 outside); row j of A^T is H_res row j-1
             perm = tl.load(P2 + p[:, None] * n + j[None, :] - 1, mask=pmask[:, None] & (j[None, :] >= 1) & jmask[None, :],
                            other=-1)
-            AT = tl.sum(tl.where(perm[:, :, None] == k[None, None, :], w[:, None, None], 0.), axis=0)
-            AT = tl.where(j[:, None] == 0, h_pre[None, :], AT)
+            AT = tl.sum(tl.where(perm[None, :, :, None] == k[None, None, None, :], w[:, :, None, None], 0.), axis=1)
+            AT = tl.where(j[None, :, None] == 0, h_pre[:, None, :], AT)
             return AT, post, perm, w, p_pre, p_post, p_res, h_pre
         else:  # HC: P0 width (n, n+1), P1 depth (n,), P2 s_a, P3 s_b
-            AT = tl.load(P0 + k[None, :] * (n + 1) + j[:, None], mask=m2, other=0.).to(ACC)
-            post = tl.load(P1 + k, mask=kmask, other=0.).to(ACC)
-            PT = tl.zeros((NP1, NP), ACC)
-            TT = tl.zeros((NP1, NP), ACC)
-            pb = tl.zeros((NP,), ACC)
-            tb = tl.zeros((NP,), ACC)
+            AT = tl.broadcast_to(tl.load(P0 + k[None, :] * (n + 1) + j[:, None], mask=m2, other=0.).to(ACC)[None, :, :],
+                                 (BT, NP1, NP))
+            post = tl.broadcast_to(tl.load(P1 + k, mask=kmask, other=0.).to(ACC)[None, :], (BT, NP))
+            PT = tl.zeros((BT, NP1, NP), ACC)
+            TT = tl.zeros((BT, NP1, NP), ACC)
+            pb = tl.zeros((BT, NP), ACC)
+            tb = tl.zeros((BT, NP), ACC)
             if KIND == 0:
-                PT = r[None, :] * tl.load(XW + t * n * K + k[None, :] * K + j[:, None], mask=m2, other=0.).to(ACC)
+                PT = r[:, None, :] * tl.load(XW + t[:, None, None] * n * K + k[None, None, :] * K + j[None, :, None],
+                                             mask=tmask[:, None, None] & m2[None, :, :], other=0.).to(ACC)
                 TT = 2 * _sigmoid(2 * PT) - 1  # tanh
                 AT += tl.load(P2).to(ACC) * TT
-                pb = r * tl.load(XW + t * n * K + k * K + n + 1, mask=kmask, other=0.).to(ACC)
+                pb = r * tl.load(XW + t[:, None] * n * K + k[None, :] * K + n + 1, mask=tk, other=0.).to(ACC)
                 tb = 2 * _sigmoid(2 * pb) - 1
                 post += tl.load(P3).to(ACC) * tb
             return AT, post, PT, TT, pb, tb, pb, pb
 
     @triton.jit
     def _stream_rms(ss, n, C, eps, KIND: tl.constexpr):
-        """r from the streams' sums of squares ss (NP,): per stream (HC), or one for all n streams (mHC)."""
+        """r from the streams' sums of squares ss (BT, NP): per stream (HC), or one for all n streams (mHC)."""
         if KIND == 2:
-            return 1 / tl.sqrt(tl.sum(ss, axis=0) / (n * C) + eps)
+            return 1 / tl.sqrt(tl.sum(ss, axis=1) / (n * C) + eps)
         else:
             return 1 / tl.sqrt(ss / C + eps)
 
     @triton.jit
-    def _stream_mix_fwd(H, XW, P0, P1, P2, P3, OUT_H, OUT_MIXED, OUT_POST, stride_t, stride_k, n, C, K, n_perm, eps,
-                        KIND: tl.constexpr, MIXED_ONLY: tl.constexpr, ACC: tl.constexpr, NP: tl.constexpr,
-                        NP1: tl.constexpr, PP: tl.constexpr, BC: tl.constexpr):
-        t = tl.program_id(0).to(tl.int64)
+    def _stream_mix_fwd(H, XW, P0, P1, P2, P3, OUT_H, OUT_MIXED, OUT_POST, stride_t, stride_k, N, n, C, K, n_perm,
+                        eps, KIND: tl.constexpr, MIXED_ONLY: tl.constexpr, ACC: tl.constexpr, BT: tl.constexpr,
+                        NP: tl.constexpr, NP1: tl.constexpr, PP: tl.constexpr, BC: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)  # a tile of BT tokens
         k, j, c = tl.arange(0, NP), tl.arange(0, NP1), tl.arange(0, BC)
-        kmask = k < n
-        ss = tl.zeros((NP,), ACC)
+        tmask, kmask = t < N, k < n
+        streams = t[:, None, None] * stride_t + k[None, :, None] * stride_k  # (+ columns)
+        tk = tmask[:, None, None] & kmask[None, :, None]
+        ss = tl.zeros((BT, NP), ACC)
         for c0 in range(0, C, BC):  # the streams' sums of squares, BC columns at a time
             cols = c0 + c
-            HT = tl.load(H + t * stride_t + k[:, None] * stride_k + cols[None, :], mask=kmask[:, None] & (cols < C)[None, :],
-                         other=0.).to(ACC)
-            ss += tl.sum(HT * HT, axis=1)
+            HT = tl.load(H + streams + cols[None, None, :], mask=tk & (cols < C)[None, None, :], other=0.).to(ACC)
+            ss += tl.sum(HT * HT, axis=2)
         r = _stream_rms(ss, n, C, eps, KIND)
-        AT, post, X1, X2, X3, X4, X5, X6 = _stream_connect(XW, P0, P1, P2, P3, t, r, n, K, n_perm, KIND, ACC, NP, NP1,
-                                                           PP)
+        AT, post, X1, X2, X3, X4, X5, X6 = _stream_connect(XW, P0, P1, P2, P3, t, tmask, r, n, K, n_perm, KIND, ACC,
+                                                           BT, NP, NP1, PP)
         out = OUT_MIXED.dtype.element_ty
+        tj = tmask[:, None, None] & (j[None, :, None] >= 1) & (j[None, :, None] < n + 1)
+        t0 = tmask[:, None, None] & (j[None, :, None] == 0)
         for c0 in range(0, C, BC):  # A^T H: row 0 is h, rows 1..n are H'
             cols = c0 + c
-            cmask = cols < C
-            HT = tl.load(H + t * stride_t + k[:, None] * stride_k + cols[None, :], mask=kmask[:, None] & cmask[None, :],
-                         other=0.).to(ACC)
-            mixed = tl.sum(AT[:, :, None] * HT[None, :, :], axis=1)
-            tl.store(OUT_MIXED + t * n * C + (j[:, None] - 1) * C + cols[None, :], mixed.to(out),
-                     mask=(j[:, None] >= 1) & (j[:, None] < n + 1) & cmask[None, :])
+            cmask = (cols < C)[None, None, :]
+            HT = tl.load(H + streams + cols[None, None, :], mask=tk & cmask, other=0.).to(ACC)
+            mixed = tl.sum(AT[:, :, :, None] * HT[:, None, :, :], axis=2)
+            tl.store(OUT_MIXED + t[:, None, None] * n * C + (j[None, :, None] - 1) * C + cols[None, None, :],
+                     mixed.to(out), mask=tj & cmask)
             if not MIXED_ONLY:
-                tl.store(OUT_H + t * C + j[:, None] * 0 + cols[None, :], mixed.to(out), mask=(j[:, None] == 0) & cmask[None, :])
+                tl.store(OUT_H + t[:, None, None] * C + j[None, :, None] * 0 + cols[None, None, :], mixed.to(out),
+                         mask=t0 & cmask)
         if not MIXED_ONLY:
-            tl.store(OUT_POST + t * n + k, post.to(OUT_POST.dtype.element_ty), mask=kmask)
+            tl.store(OUT_POST + t[:, None] * n + k[None, :], post.to(OUT_POST.dtype.element_ty),
+                     mask=tmask[:, None] & kmask[None, :])
 
     @triton.jit
     def _stream_mix_bwd(H, XW, P0, P1, P2, P3, G_H, G_MIXED, G_POST, D_H, D_XW, PART, stride_t, stride_k, N, n, C, K,
-                        n_perm, n_part, eps, KIND: tl.constexpr, ACC: tl.constexpr, NP: tl.constexpr,
-                        NP1: tl.constexpr, PP: tl.constexpr, BC: tl.constexpr):
+                        n_perm, n_part, eps, KIND: tl.constexpr, ACC: tl.constexpr, BT: tl.constexpr,
+                        NP: tl.constexpr, NP1: tl.constexpr, PP: tl.constexpr, BC: tl.constexpr):
         pid, programs = tl.program_id(0), tl.num_programs(0)
         k, j, p, c = tl.arange(0, NP), tl.arange(0, NP1), tl.arange(0, PP), tl.arange(0, BC)
         kmask, jmask, pmask = k < n, j < n + 1, p < n_perm
@@ -1127,70 +1146,77 @@ if triton is not None:
         d_z = tl.zeros((PP,), ACC)
         e = tl.arange(0, 4)
         d_a = tl.zeros((4,), ACC)  # s_a, s_b (HC) or a_pre, a_post, a_res (mHC)
-        for token in range(pid, N, programs):
-            t = pid.to(tl.int64) + (token - pid)
-            g_post = tl.load(G_POST + t * n + k, mask=kmask, other=0.).to(ACC)
-            g_AT = tl.zeros((NP1, NP), ACC)  # d loss / d A^T[j, s] = G_j . H_s, G_0 the gradient of h, G_j of H'_j
-            ss = tl.zeros((NP,), ACC)
+        for tile in range(pid, tl.cdiv(N, BT), programs):  # each program: every programs-th tile of BT tokens
+            t = (pid.to(tl.int64) + (tile - pid)) * BT + tl.arange(0, BT)  # int64 (the interpreter: Python ints)
+            tmask = t < N
+            tk = tmask[:, None] & kmask[None, :]
+            streams, tk3 = t[:, None, None] * stride_t + k[None, :, None] * stride_k, tk[:, :, None]
+            tj = tmask[:, None, None] & (j[None, :, None] >= 1) & jmask[None, :, None]
+            t0 = tmask[:, None, None] & (j[None, :, None] == 0)
+            g_post = tl.load(G_POST + t[:, None] * n + k[None, :], mask=tk, other=0.).to(ACC)
+            g_AT = tl.zeros((BT, NP1, NP), ACC)  # d loss / d A^T[j, s] = G_j . H_s, G_0 the gradient of h, G_j of H'_j
+            ss = tl.zeros((BT, NP), ACC)
             for c0 in range(0, C, BC):
                 cols = c0 + c
-                cmask = cols < C
-                HT = tl.load(H + t * stride_t + k[:, None] * stride_k + cols[None, :],
-                             mask=kmask[:, None] & cmask[None, :], other=0.).to(ACC)
-                G = tl.load(G_MIXED + t * n * C + (j[:, None] - 1) * C + cols[None, :],
-                            mask=(j[:, None] >= 1) & jmask[:, None] & cmask[None, :], other=0.).to(ACC)
-                G += tl.load(G_H + t * C + j[:, None] * 0 + cols[None, :], mask=(j[:, None] == 0) & cmask[None, :],
+                cmask = (cols < C)[None, None, :]
+                HT = tl.load(H + streams + cols[None, None, :], mask=tk3 & cmask, other=0.).to(ACC)
+                G = tl.load(G_MIXED + t[:, None, None] * n * C + (j[None, :, None] - 1) * C + cols[None, None, :],
+                            mask=tj & cmask, other=0.).to(ACC)
+                G += tl.load(G_H + t[:, None, None] * C + j[None, :, None] * 0 + cols[None, None, :], mask=t0 & cmask,
                              other=0.).to(ACC)
-                g_AT += tl.sum(G[:, None, :] * HT[None, :, :], axis=2)
-                ss += tl.sum(HT * HT, axis=1)
+                g_AT += tl.sum(G[:, :, None, :] * HT[:, None, :, :], axis=3)
+                ss += tl.sum(HT * HT, axis=2)
             r = _stream_rms(ss, n, C, eps, KIND)
-            AT, post, X1, X2, X3, X4, X5, X6 = _stream_connect(XW, P0, P1, P2, P3, t, r, n, K, n_perm, KIND, ACC,
-                                                               NP, NP1, PP)
-            corr = tl.zeros((NP,), ACC)  # (r^2 / D) dP . P per projected row: the RMS's share of d H
+            AT, post, X1, X2, X3, X4, X5, X6 = _stream_connect(XW, P0, P1, P2, P3, t, tmask, r, n, K, n_perm, KIND,
+                                                               ACC, BT, NP, NP1, PP)
+            corr = tl.zeros((BT, NP), ACC)  # (r^2 / D) dP . P per projected row: the RMS's share of d H
             if KIND == 2:
                 perm, w, p_pre, p_post, p_res, h_pre = X1, X2, X3, X4, X5, X6
                 a_pre, a_post, a_res = tl.load(P0).to(ACC), tl.load(P0 + 1).to(ACC), tl.load(P0 + 2).to(ACC)
-                du = tl.sum(tl.where(j[:, None] == 0, g_AT, 0.), axis=0) * h_pre * (1 - h_pre)
+                du = tl.sum(tl.where(j[None, :, None] == 0, g_AT, 0.), axis=1) * h_pre * (1 - h_pre)
                 dv = g_post * post * (1 - post / 2)
                 # d loss / d w_p = sum_j g_AT[j, perm_p(j)]
-                g_w = tl.sum(tl.sum(tl.where(perm[:, :, None] == k[None, None, :], g_AT[None, :, :], 0.), axis=2), axis=1)
-                dz = w * (g_w - tl.sum(w * g_w, axis=0))
+                g_w = tl.sum(tl.sum(tl.where(perm[None, :, :, None] == k[None, None, None, :], g_AT[:, None, :, :], 0.),
+                                    axis=3), axis=2)
+                dz = w * (g_w - tl.sum(w * g_w, axis=1)[:, None])
                 dtype = D_XW.dtype.element_ty
-                tl.store(D_XW + t * K + k, (r * a_pre * du).to(dtype), mask=kmask)
-                tl.store(D_XW + t * K + n + k, (r * a_post * dv).to(dtype), mask=kmask)
-                tl.store(D_XW + t * K + 2 * n + p, (r * a_res * dz).to(dtype), mask=pmask)
-                s_pre, s_post, s_res = tl.sum(du * p_pre, axis=0), tl.sum(dv * p_post, axis=0), tl.sum(dz * p_res, axis=0)
-                corr += r * r * (a_pre * s_pre + a_post * s_post + a_res * s_res) / (n * C)
-                d_pre += du
-                d_post += dv
-                d_z += dz
-                d_a += tl.where(e == 0, s_pre, tl.where(e == 1, s_post, tl.where(e == 2, s_res, 0.)))
+                tl.store(D_XW + t[:, None] * K + k[None, :], (r[:, None] * a_pre * du).to(dtype), mask=tk)
+                tl.store(D_XW + t[:, None] * K + n + k[None, :], (r[:, None] * a_post * dv).to(dtype), mask=tk)
+                tl.store(D_XW + t[:, None] * K + 2 * n + p[None, :], (r[:, None] * a_res * dz).to(dtype),
+                         mask=tmask[:, None] & pmask[None, :])
+                s_pre, s_post, s_res = tl.sum(du * p_pre, axis=1), tl.sum(dv * p_post, axis=1), tl.sum(dz * p_res, axis=1)
+                corr += (r * r * (a_pre * s_pre + a_post * s_post + a_res * s_res) / (n * C))[:, None]
+                d_pre += tl.sum(du, axis=0)  # (tokens outside the tile: all zero)
+                d_post += tl.sum(dv, axis=0)
+                d_z += tl.sum(dz, axis=0)
+                d_a += tl.where(e == 0, tl.sum(s_pre, axis=0), tl.where(e == 1, tl.sum(s_post, axis=0),
+                                                                      tl.where(e == 2, tl.sum(s_res, axis=0), 0.)))
             else:
-                d_AT += g_AT
-                d_post += g_post
+                d_AT += tl.sum(g_AT, axis=0)
+                d_post += tl.sum(g_post, axis=0)
                 if KIND == 0:
                     PT, TT, pb, tb = X1, X2, X3, X4
                     s_a, s_b = tl.load(P2).to(ACC), tl.load(P3).to(ACC)
                     dPT = s_a * (1 - TT * TT) * g_AT
                     dpb = s_b * (1 - tb * tb) * g_post
                     dtype = D_XW.dtype.element_ty
-                    tl.store(D_XW + t * n * K + k[None, :] * K + j[:, None], (r[None, :] * dPT).to(dtype), mask=m2)
-                    tl.store(D_XW + t * n * K + k * K + n + 1, (r * dpb).to(dtype), mask=kmask)
-                    corr = r * r * (tl.sum(dPT * PT, axis=0) + dpb * pb) / C
-                    d_a += tl.where(e == 0, tl.sum(tl.sum(TT * g_AT, axis=1), axis=0), 0.)
-                    d_a += tl.where(e == 1, tl.sum(tb * g_post, axis=0), 0.)
+                    tl.store(D_XW + t[:, None, None] * n * K + k[None, None, :] * K + j[None, :, None],
+                             (r[:, None, :] * dPT).to(dtype), mask=tmask[:, None, None] & m2[None, :, :])
+                    tl.store(D_XW + t[:, None] * n * K + k[None, :] * K + n + 1, (r * dpb).to(dtype), mask=tk)
+                    corr = r * r * (tl.sum(dPT * PT, axis=1) + dpb * pb) / C
+                    d_a += tl.where(e == 0, tl.sum(tl.sum(tl.sum(TT * g_AT, axis=2), axis=1), axis=0), 0.)
+                    d_a += tl.where(e == 1, tl.sum(tl.sum(tb * g_post, axis=1), axis=0), 0.)
             for c0 in range(0, C, BC):  # d H_s = sum_j A^T[j, s] G_j - corr_s H_s
                 cols = c0 + c
-                cmask = cols < C
-                HT = tl.load(H + t * stride_t + k[:, None] * stride_k + cols[None, :],
-                             mask=kmask[:, None] & cmask[None, :], other=0.).to(ACC)
-                G = tl.load(G_MIXED + t * n * C + (j[:, None] - 1) * C + cols[None, :],
-                            mask=(j[:, None] >= 1) & jmask[:, None] & cmask[None, :], other=0.).to(ACC)
-                G += tl.load(G_H + t * C + j[:, None] * 0 + cols[None, :], mask=(j[:, None] == 0) & cmask[None, :],
+                cmask = (cols < C)[None, None, :]
+                HT = tl.load(H + streams + cols[None, None, :], mask=tk3 & cmask, other=0.).to(ACC)
+                G = tl.load(G_MIXED + t[:, None, None] * n * C + (j[None, :, None] - 1) * C + cols[None, None, :],
+                            mask=tj & cmask, other=0.).to(ACC)
+                G += tl.load(G_H + t[:, None, None] * C + j[None, :, None] * 0 + cols[None, None, :], mask=t0 & cmask,
                              other=0.).to(ACC)
-                dH = tl.sum(AT[:, :, None] * G[:, None, :], axis=0) - corr[:, None] * HT
-                tl.store(D_H + t * n * C + k[:, None] * C + cols[None, :], dH.to(D_H.dtype.element_ty),
-                         mask=kmask[:, None] & cmask[None, :])
+                dH = tl.sum(AT[:, :, :, None] * G[:, :, None, :], axis=1) - corr[:, :, None] * HT
+                tl.store(D_H + t[:, None, None] * n * C + k[None, :, None] * C + cols[None, None, :],
+                         dH.to(D_H.dtype.element_ty), mask=tk3 & cmask)
         part = PART + pid * n_part
         if KIND == 2:  # [alpha (3) | bias: pre (n), post (n), res (n!)]
             tl.store(part + e, d_a, mask=e < 3)
@@ -1204,22 +1230,25 @@ if triton is not None:
                 tl.store(part + n * (n + 1) + n + e, d_a, mask=e < 2)
 
     @triton.jit
-    def _advance_bwd(G, U, POST, D_U, D_POST, n, C, ACC: tl.constexpr, NP: tl.constexpr, BC: tl.constexpr):
-        """H = H' + post^T u: d u = sum_s post_s G_s, d post_s = G_s . u, per token."""
-        t = tl.program_id(0).to(tl.int64)
+    def _advance_bwd(G, U, POST, D_U, D_POST, N, n, C, ACC: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr,
+                     BC: tl.constexpr):
+        """H = H' + post^T u: d u = sum_s post_s G_s, d post_s = G_s . u, per token (a tile of BT)."""
+        t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
         k, c = tl.arange(0, NP), tl.arange(0, BC)
-        kmask = k < n
-        post = tl.load(POST + t * n + k, mask=kmask, other=0.).to(ACC)
-        d_post = tl.zeros((NP,), ACC)
+        tmask, kmask = t < N, k < n
+        tk = tmask[:, None] & kmask[None, :]
+        post = tl.load(POST + t[:, None] * n + k[None, :], mask=tk, other=0.).to(ACC)
+        d_post = tl.zeros((BT, NP), ACC)
         for c0 in range(0, C, BC):
             cols = c0 + c
             cmask = cols < C
-            u = tl.load(U + t * C + cols, mask=cmask, other=0.).to(ACC)
-            g = tl.load(G + t * n * C + k[:, None] * C + cols[None, :], mask=kmask[:, None] & cmask[None, :],
-                        other=0.).to(ACC)
-            tl.store(D_U + t * C + cols, tl.sum(post[:, None] * g, axis=0).to(D_U.dtype.element_ty), mask=cmask)
-            d_post += tl.sum(g * u[None, :], axis=1)
-        tl.store(D_POST + t * n + k, d_post.to(D_POST.dtype.element_ty), mask=kmask)
+            u = tl.load(U + t[:, None] * C + cols[None, :], mask=tmask[:, None] & cmask[None, :], other=0.).to(ACC)
+            g = tl.load(G + t[:, None, None] * n * C + k[None, :, None] * C + cols[None, None, :],
+                        mask=tk[:, :, None] & cmask[None, None, :], other=0.).to(ACC)
+            tl.store(D_U + t[:, None] * C + cols[None, :], tl.sum(post[:, :, None] * g, axis=1).to(D_U.dtype.element_ty),
+                     mask=tmask[:, None] & cmask[None, :])
+            d_post += tl.sum(g * u[:, None, :], axis=2)
+        tl.store(D_POST + t[:, None] * n + k[None, :], d_post.to(D_POST.dtype.element_ty), mask=tk)
 
 
 def _stream_args(H, XW, params, kind):
@@ -1235,7 +1264,8 @@ def _stream_args(H, XW, params, kind):
     P = list(params) + [None] * (4 - len(params))
     K = 0 if XW is None else XW.shape[-1]
     n_perm = params[2].shape[0] if kind == MHC else 1
-    blocks = dict(NP=next_pow2(n), NP1=next_pow2(n + 1), PP=next_pow2(n_perm), BC=min(next_pow2(C), STREAM_BC))
+    blocks = dict(BT=stream_tile(n, C, n_perm, H.shape[0]), NP=next_pow2(n), NP1=next_pow2(n + 1),
+                  PP=next_pow2(n_perm), BC=min(next_pow2(C), STREAM_BC))
     return H, (None if XW is None else XW.contiguous()), P, (n, C, K, n_perm), blocks
 
 
@@ -1249,8 +1279,9 @@ def _triton_stream_mix(H: Tensor, XW: Optional[Tensor], params: List[Tensor], ki
     h = H.new_empty(H.shape[:-2] + (C,))
     mixed = H.new_empty(H.shape)
     post = torch.empty(H.shape[:-1], device=H.device, dtype=acc)
-    _stream_mix_fwd[(N,)](H3, XW, *P, h, mixed, post, H3.stride(0), H3.stride(1), n, C, K, n_perm, RMS_EPS,
-                          KIND=kind, MIXED_ONLY=mixed_only, ACC=acc_tl, **blocks)
+    _stream_mix_fwd[(triton.cdiv(N, blocks['BT']),)](H3, XW, *P, h, mixed, post, H3.stride(0), H3.stride(1), N, n, C,
+                                                     K, n_perm, RMS_EPS, KIND=kind, MIXED_ONLY=mixed_only,
+                                                     ACC=acc_tl, **blocks)
     return h, mixed, post
 
 
@@ -1265,7 +1296,7 @@ def _triton_stream_mix_backward(H: Tensor, XW: Optional[Tensor], params: List[Te
     d_H = torch.empty(H.shape, device=H.device, dtype=H.dtype)
     d_XW = None if XW is None else torch.empty(XW.shape, device=H.device, dtype=acc)
     n_part = 3 + 2 * n + n_perm if kind == MHC else n * (n + 1) + n + (2 if kind == HC else 0)
-    programs = reduction_programs(N)
+    programs = reduction_programs(triton.cdiv(N, blocks['BT']))
     parts = torch.empty((programs, n_part), device=H.device, dtype=acc)
     _stream_mix_bwd[(programs,)](H3, XW, *P, grad_h.contiguous(), grad_mixed.contiguous(), grad_post.contiguous(),
                                  d_H, d_XW, parts, H3.stride(0), H3.stride(1), N, n, C, K, n_perm, n_part, RMS_EPS,
@@ -1276,10 +1307,11 @@ def _triton_stream_mix_backward(H: Tensor, XW: Optional[Tensor], params: List[Te
 @torch.library.custom_op('resroute::advance_backward', mutates_args=())
 def _triton_advance_backward(grad: Tensor, update: Tensor, post: Tensor) -> Tuple[Tensor, Tensor]:
     n, C = grad.shape[-2:]
+    N, BT = update.numel() // C, stream_tile(n, C, 1, update.numel() // C)
     d_update, d_post = torch.empty_like(update), torch.empty_like(post)
-    _advance_bwd[(update.numel() // C,)](grad.contiguous(), update.contiguous(), post.contiguous(), d_update, d_post,
-                                         n, C, ACC=accumulator(grad.dtype)[1], NP=next_pow2(n),
-                                         BC=min(next_pow2(C), STREAM_BC))
+    _advance_bwd[(triton.cdiv(N, BT),)](grad.contiguous(), update.contiguous(), post.contiguous(), d_update, d_post,
+                                        N, n, C, ACC=accumulator(grad.dtype)[1], BT=BT, NP=next_pow2(n),
+                                        BC=min(next_pow2(C), STREAM_BC))
     return d_update, d_post
 
 
@@ -1408,104 +1440,110 @@ def mgr_step_backward_torch(x, u, gate_query, gate_bias, pool_query, beta, alpha
 if triton is not None:
     @triton.jit
     def _mgr_step_fwd(S, U, VG, VP, BIAS, NEW, H, BETA, ALPHA, INDEX, KEPT, n, N, C, keep, eps,
-                      COMPETITIVE: tl.constexpr, ACC: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr):
-        t = tl.program_id(0).to(tl.int64)
+                      COMPETITIVE: tl.constexpr, ACC: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr,
+                      BC: tl.constexpr):
+        # a tile of BT tokens: (streams, tokens, channels) blocks, (streams, tokens) gates and weights
+        t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
         rows, cols = tl.arange(0, BN), tl.arange(0, BC)
-        rmask, cmask = rows < n, cols < C
-        mask = rmask[:, None] & cmask[None, :]
-        at = rows[:, None] * N * C + t * C + cols[None, :]
+        rmask, tmask, cmask = rows < n, t < N, cols < C
+        tc, st = tmask[:, None] & cmask[None, :], rmask[:, None] & tmask[None, :]
+        mask = st[:, :, None] & cmask[None, None, :]
+        at = rows[:, None, None] * N * C + t[None, :, None] * C + cols[None, None, :]
         s = tl.load(S + at, mask=mask, other=0.).to(ACC)  # the n streams: read once
-        u = tl.load(U + t * C + cols, mask=cmask, other=0.).to(ACC)
-        vg = tl.load(VG + cols, mask=cmask, other=0.).to(ACC)
-        vp = tl.load(VP + cols, mask=cmask, other=0.).to(ACC)
+        u = tl.load(U + t[:, None] * C + cols[None, :], mask=tc, other=0.).to(ACC)
+        vg = tl.load(VG + cols, mask=cmask, other=0.).to(ACC)[None, None, :]
+        vp = tl.load(VP + cols, mask=cmask, other=0.).to(ACC)[None, None, :]
         b = tl.load(BIAS).to(ACC)
-        z = 1 / tl.sqrt(tl.sum(s * s, axis=1) / C + eps) * tl.sum(s * vg[None, :], axis=1)
+        z = 1 / tl.sqrt(tl.sum(s * s, axis=2) / C + eps) * tl.sum(s * vg, axis=2)
         if COMPETITIVE:  # softmax over [b, z_1..z_n], without the keep entry
-            z = tl.where(rmask, z, float('-inf'))
+            z = tl.where(rmask[:, None], z, float('-inf'))
             top = tl.maximum(tl.max(z, axis=0), b)
-            e = tl.exp(z - top)
-            beta = e / (tl.exp(b - top) + tl.sum(e, axis=0))
+            e = tl.exp(z - top[None, :])
+            beta = e / (tl.exp(b - top) + tl.sum(e, axis=0))[None, :]
         else:
-            beta = tl.where(rmask, tl.sigmoid(z + b), 0.)
-        new = s + beta[:, None] * (u[None, :] - s)
+            beta = tl.where(rmask[:, None], tl.sigmoid(z + b), 0.)
+        new = s + beta[:, :, None] * (u[None, :, :] - s)
         tl.store(NEW + at, new.to(NEW.dtype.element_ty), mask=mask)
-        y = 1 / tl.sqrt(tl.sum(new * new, axis=1) / C + eps) * tl.sum(new * vp[None, :], axis=1)
-        y = tl.where(rmask, y, float('-inf'))
-        alpha = tl.exp(y - tl.max(y, axis=0))
-        alpha = alpha / tl.sum(alpha, axis=0)
-        tl.store(H + t * C + cols, tl.sum(alpha[:, None] * new, axis=0).to(H.dtype.element_ty), mask=cmask)
-        tl.store(BETA + rows * N + t, beta, mask=rmask)
-        tl.store(ALPHA + rows * N + t, alpha, mask=rmask)
-        left = tl.where(rmask, beta, -1.)
+        y = 1 / tl.sqrt(tl.sum(new * new, axis=2) / C + eps) * tl.sum(new * vp, axis=2)
+        y = tl.where(rmask[:, None], y, float('-inf'))
+        alpha = tl.exp(y - tl.max(y, axis=0)[None, :])
+        alpha = alpha / tl.sum(alpha, axis=0)[None, :]
+        tl.store(H + t[:, None] * C + cols[None, :], tl.sum(alpha[:, :, None] * new, axis=0).to(H.dtype.element_ty),
+                 mask=tc)
+        tl.store(BETA + rows[:, None] * N + t[None, :], beta, mask=st)
+        tl.store(ALPHA + rows[:, None] * N + t[None, :], alpha, mask=st)
+        left = tl.where(rmask[:, None], beta, -1.)
         for k in range(keep):  # originals of the largest gates, for the inversion
-            j = tl.min(tl.where(left == tl.max(left, axis=0), rows, BN), axis=0)
-            tl.store(INDEX + k * N + t, j.to(tl.int64))
-            original = tl.sum(tl.where(rows[:, None] == j, s, 0.), axis=0)
-            tl.store(KEPT + k * N * C + t * C + cols, original.to(KEPT.dtype.element_ty), mask=cmask)
-            left = tl.where(rows == j, -2., left)
+            j = tl.min(tl.where(left == tl.max(left, axis=0)[None, :], rows[:, None], BN), axis=0)
+            tl.store(INDEX + k * N + t, j.to(tl.int64), mask=tmask)
+            original = tl.sum(tl.where(rows[:, None, None] == j[None, :, None], s, 0.), axis=0)
+            tl.store(KEPT + k * N * C + t[:, None] * C + cols[None, :], original.to(KEPT.dtype.element_ty), mask=tc)
+            left = tl.where(rows[:, None] == j[None, :], -2., left)
 
     @triton.jit
     def _mgr_step_bwd(X, U, VG, VP, BETA, ALPHA, INDEX, KEPT, G_NEW, G_H, D_S, D_U, REBUILT,
                       D_VG, D_VP, D_B, n, N, C, keep, eps,
                       COMPETITIVE: tl.constexpr, INVERT: tl.constexpr, ACC: tl.constexpr, BN: tl.constexpr,
-                      BC: tl.constexpr):
+                      BT: tl.constexpr, BC: tl.constexpr):
         pid, programs = tl.program_id(0), tl.num_programs(0)
         rows, cols = tl.arange(0, BN), tl.arange(0, BC)
         rmask, cmask = rows < n, cols < C
-        mask = rmask[:, None] & cmask[None, :]
-        vg = tl.load(VG + cols, mask=cmask, other=0.).to(ACC)
-        vp = tl.load(VP + cols, mask=cmask, other=0.).to(ACC)
+        vg = tl.load(VG + cols, mask=cmask, other=0.).to(ACC)[None, None, :]
+        vp = tl.load(VP + cols, mask=cmask, other=0.).to(ACC)[None, None, :]
         d_vg = tl.zeros((BC,), ACC)
         d_vp = tl.zeros((BC,), ACC)
         d_b = tl.zeros((BN,), ACC)
-        for token in range(pid, N, programs):
-            t = pid.to(tl.int64) + (token - pid)  # int64 offsets (the interpreter yields Python ints here)
-            at = rows[:, None] * N * C + t * C + cols[None, :]
+        for tile in range(pid, tl.cdiv(N, BT), programs):  # each program: every programs-th tile of BT tokens
+            t = (pid.to(tl.int64) + (tile - pid)) * BT + tl.arange(0, BT)  # int64 (the interpreter: Python ints)
+            tmask = t < N
+            tc, st = tmask[:, None] & cmask[None, :], rmask[:, None] & tmask[None, :]
+            mask = st[:, :, None] & cmask[None, None, :]
+            at = rows[:, None, None] * N * C + t[None, :, None] * C + cols[None, None, :]
             x = tl.load(X + at, mask=mask, other=0.).to(ACC)
-            u = tl.load(U + t * C + cols, mask=cmask, other=0.).to(ACC)
-            beta = tl.load(BETA + rows * N + t, mask=rmask, other=0.)
-            alpha = tl.load(ALPHA + rows * N + t, mask=rmask, other=0.)
+            u = tl.load(U + t[:, None] * C + cols[None, :], mask=tc, other=0.).to(ACC)[None, :, :]
+            beta = tl.load(BETA + rows[:, None] * N + t[None, :], mask=st, other=0.)
+            alpha = tl.load(ALPHA + rows[:, None] * N + t[None, :], mask=st, other=0.)
             if INVERT:  # rebuild the inputs from the outputs; the largest gates' originals were kept
                 new = x
-                s = (x - beta[:, None] * u[None, :]) / (1 - beta[:, None])
+                s = (x - beta[:, :, None] * u) / (1 - beta[:, :, None])
                 for k in range(keep):
-                    j = tl.load(INDEX + k * N + t)
-                    original = tl.load(KEPT + k * N * C + t * C + cols, mask=cmask, other=0.).to(ACC)
-                    s = tl.where(rows[:, None] == j, original[None, :], s)
+                    j = tl.load(INDEX + k * N + t, mask=tmask, other=-1)
+                    original = tl.load(KEPT + k * N * C + t[:, None] * C + cols[None, :], mask=tc, other=0.).to(ACC)
+                    s = tl.where(rows[:, None, None] == j[None, :, None], original[None, :, :], s)
                 tl.store(REBUILT + at, s.to(REBUILT.dtype.element_ty), mask=mask)
             else:
                 s = x
-                new = s + beta[:, None] * (u[None, :] - s)
-            g_h = tl.load(G_H + t * C + cols, mask=cmask, other=0.).to(ACC)
+                new = s + beta[:, :, None] * (u - s)
+            g_h = tl.load(G_H + t[:, None] * C + cols[None, :], mask=tc, other=0.).to(ACC)[None, :, :]
             # AttnPool
-            r2 = 1 / tl.sqrt(tl.sum(new * new, axis=1) / C + eps)
-            y = r2 * tl.sum(new * vp[None, :], axis=1)
-            g_alpha = tl.sum(new * g_h[None, :], axis=1)
-            dy = alpha * (g_alpha - tl.sum(alpha * g_alpha, axis=0))
-            d_new = (tl.load(G_NEW + at, mask=mask, other=0.).to(ACC) + alpha[:, None] * g_h[None, :]
-                     + (dy * r2)[:, None] * vp[None, :] - (dy * r2 * r2 * y / C)[:, None] * new)
-            d_vp += tl.sum((dy * r2)[:, None] * new, axis=0)
+            r2 = 1 / tl.sqrt(tl.sum(new * new, axis=2) / C + eps)
+            y = r2 * tl.sum(new * vp, axis=2)
+            g_alpha = tl.sum(new * g_h, axis=2)
+            dy = alpha * (g_alpha - tl.sum(alpha * g_alpha, axis=0)[None, :])
+            d_new = (tl.load(G_NEW + at, mask=mask, other=0.).to(ACC) + alpha[:, :, None] * g_h
+                     + (dy * r2)[:, :, None] * vp - (dy * r2 * r2 * y / C)[:, :, None] * new)
+            d_vp += tl.sum(tl.sum((dy * r2)[:, :, None] * new, axis=1), axis=0)
             # lerp
-            tl.store(D_U + t * C + cols, tl.sum(beta[:, None] * d_new, axis=0).to(D_U.dtype.element_ty), mask=cmask)
-            d_beta = tl.sum(d_new * (u[None, :] - s), axis=1)
-            d_s = (1 - beta[:, None]) * d_new
+            tl.store(D_U + t[:, None] * C + cols[None, :], tl.sum(beta[:, :, None] * d_new, axis=0).to(
+                D_U.dtype.element_ty), mask=tc)
+            d_beta = tl.sum(d_new * (u - s), axis=2)
+            d_s = (1 - beta[:, :, None]) * d_new
             # gates
             if COMPETITIVE:
                 weighted = tl.sum(beta * d_beta, axis=0)
-                dz = beta * (d_beta - weighted)
-                d_b += tl.where(rows == 0, -(1 - tl.sum(beta, axis=0)) * weighted, 0.)
+                dz = beta * (d_beta - weighted[None, :])
+                d_b += tl.where(rows == 0, -tl.sum((1 - tl.sum(beta, axis=0)) * weighted, axis=0), 0.)
             else:
                 dz = d_beta * beta * (1 - beta)
-                d_b += dz
-            r = 1 / tl.sqrt(tl.sum(s * s, axis=1) / C + eps)
-            z = r * tl.sum(s * vg[None, :], axis=1)
-            d_s += (dz * r)[:, None] * vg[None, :] - (dz * r * r * z / C)[:, None] * s
-            d_vg += tl.sum((dz * r)[:, None] * s, axis=0)
+                d_b += tl.sum(dz, axis=1)
+            r = 1 / tl.sqrt(tl.sum(s * s, axis=2) / C + eps)
+            z = r * tl.sum(s * vg, axis=2)
+            d_s += (dz * r)[:, :, None] * vg - (dz * r * r * z / C)[:, :, None] * s
+            d_vg += tl.sum(tl.sum((dz * r)[:, :, None] * s, axis=1), axis=0)
             tl.store(D_S + at, d_s.to(D_S.dtype.element_ty), mask=mask)
         tl.store(D_VG + pid * C + cols, d_vg, mask=cmask)
         tl.store(D_VP + pid * C + cols, d_vp, mask=cmask)
         tl.store(D_B + pid, tl.sum(d_b, axis=0))
-
 
 @torch.library.custom_op('resroute::mgr_step', mutates_args=())
 def triton_mgr_step(streams: Tensor, u: Tensor, gate_query: Tensor, gate_bias: Tensor, pool_query: Tensor,
@@ -1518,9 +1556,10 @@ def triton_mgr_step(streams: Tensor, u: Tensor, gate_query: Tensor, gate_bias: T
     beta, alpha = (torch.empty((n, N), device=u.device, dtype=acc) for _ in range(2))
     index = torch.empty((keep, N), device=u.device, dtype=torch.int64)
     kept = streams.new_empty((keep, N, C))
-    _mgr_step_fwd[(N,)](streams, u, gate_query.contiguous(), pool_query.contiguous(), gate_bias, new, h, beta, alpha,
-                        index, kept, n, N, C, keep, RMS_EPS, COMPETITIVE=competitive, ACC=acc_tl, BN=next_pow2(n),
-                        BC=next_pow2(C))
+    BT = token_tile(n, C, N)
+    _mgr_step_fwd[(triton.cdiv(N, BT),)](streams, u, gate_query.contiguous(), pool_query.contiguous(), gate_bias, new,
+                                         h, beta, alpha, index, kept, n, N, C, keep, RMS_EPS, COMPETITIVE=competitive,
+                                         ACC=acc_tl, BN=next_pow2(n), BT=BT, BC=next_pow2(C))
     return new, h, beta, alpha, index, kept
 
 
@@ -1540,7 +1579,8 @@ def triton_mgr_step_backward(x: Tensor, u: Tensor, gate_query: Tensor, gate_bias
     """mgr_step_backward_torch in Triton."""
     x, u = x.contiguous(), u.contiguous()
     n, N, C = x.shape
-    programs, (acc, acc_tl) = reduction_programs(N), accumulator(x.dtype)
+    BT, (acc, acc_tl) = token_tile(n, C, N), accumulator(x.dtype)
+    programs = reduction_programs(triton.cdiv(N, BT))
     d_s, d_u = torch.empty_like(x), torch.empty_like(u)
     rebuilt = torch.empty_like(x) if invert else x.new_empty(0)  # only the inversion writes it
     partial = lambda *shape: torch.empty((programs,) + shape, device=x.device, dtype=acc)
@@ -1548,7 +1588,7 @@ def triton_mgr_step_backward(x: Tensor, u: Tensor, gate_query: Tensor, gate_bias
     _mgr_step_bwd[(programs,)](x, u, gate_query.contiguous(), pool_query.contiguous(), beta, alpha, index,
                                kept.contiguous(), grad_new.contiguous(), grad_h.contiguous(), d_s, d_u, rebuilt,
                                d_vg, d_vp, d_b, n, N, C, index.shape[0], RMS_EPS, COMPETITIVE=competitive,
-                               INVERT=invert, ACC=acc_tl, BN=next_pow2(n), BC=next_pow2(C))
+                               INVERT=invert, ACC=acc_tl, BN=next_pow2(n), BT=BT, BC=next_pow2(C))
     return d_s, d_u, d_vg.sum(0), d_b.sum().reshape(1), d_vp.sum(0), rebuilt
 
 

@@ -627,12 +627,12 @@ def capture(self, *args, grid, warmup, **kwargs):
                                       else mangle_type(bound[p.name]) for p in self.params)
     launches.setdefault(key, (self, bound))
 JITFunction.run = capture  # nothing runs: the outputs stay uninitialised, and the launches are recorded
-# every method in each dtype at width 16 (the depth-mix kernels: tiles of several tokens), and the
-# depth-mix reads with and without biases (block_attnres, wav) at width 1024 too (one token per
-# program, as at GPT-2's widths)
+# every method in each dtype at width 16 (the kernels take tiles of several tokens), and the depth-mix
+# reads with and without biases (block_attnres, wav), the stream and MGR kernels at width 1024 too
+# (one token per program, as at GPT-2's widths)
 cases = [(name, 16, dtype, autocast) for name in RESIDUALS
          for dtype, autocast in [(torch.float32, False), (torch.float64, False), (torch.float32, True)]]
-cases += [(name, 1024, torch.float32, False) for name in ('block_attnres', 'wav')]
+cases += [(name, 1024, torch.float32, False) for name in ('block_attnres', 'wav', 'hc', 'mhc_lite', 'mgr')]
 for name, width, dtype, autocast in cases:
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2, n_embd=width, n_head=2, block_size=8, vocab_size=32, residual=name)).to(dtype)
@@ -650,8 +650,10 @@ for key, (fn, bound) in launches.items():
                                                                           if constant(p)}), target=GPUTarget('cuda', 90, 32))
     except Exception as e:
         failed.append(f"{key}: {e!r}")
-tiles = {bound['BT'] for fn, bound in launches.values() if fn.fn.__name__ == '_depth_mix_bwd'}
-print(len(launches), sorted({key[0] for key in launches}), 'tiles', sorted(tiles))
+tiles = {fn.fn.__name__: set() for fn, _ in launches.values()}
+for fn, bound in launches.values():
+    tiles[fn.fn.__name__].add(bound.get('BT'))
+print(len(launches), sorted(tiles), 'tiles', sorted(name for name, sizes in tiles.items() if len(sizes - {None}) >= 2))
 sys.exit('\\n'.join(failed) or None)
 """
 
@@ -671,7 +673,9 @@ def test_every_triton_kernel_compiles_for_a_cuda_gpu():
                             capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
     count, names = result.stdout.split(' ', 1)
-    assert names.endswith('tiles [1, 8]\n'), result.stdout  # one token per program, and several
+    tiled = ['_advance_bwd', '_depth_mix_bwd', '_depth_mix_fwd', '_mgr_step_bwd', '_mgr_step_fwd',
+             '_rms_match_bwd', '_rms_match_fwd', '_stream_mix_bwd', '_stream_mix_fwd']
+    assert names.endswith(f"tiles {tiled}\n"), result.stdout  # one token per program, and several
     assert int(count) >= 60 and all(k in names for k in ('_depth_mix_bwd', '_rms_match_fwd', '_stream_mix_bwd',
                                                          '_advance_bwd', '_mgr_step_bwd')), result.stdout
 
