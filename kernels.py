@@ -1376,23 +1376,25 @@ def _gates(z, bias, competitive):
 
 
 def _rms_dot(x, query):
-    """r = 1/RMS(x) and the score r x.query, per stream and token: x (n, N, C) -> (n, N), (n, N)."""
+    """r = 1/RMS(x) and the score r x.query, per stream and token: x (n, ..., C), query (C,) or (1, C)
+    -> (n, ...), (n, ...)."""
     r = rms_inverse(x)
-    return r, r * (x @ query)
+    return r, r * (x @ query.view(-1))
 
 
 def mgr_step_torch(streams, u, gate_query, gate_bias, pool_query, competitive, keep):
     """The fused step in PyTorch: the gates from the input streams, the lerp, the AttnPool of the
-    result. streams (n, N, C), u (N, C); queries (C,) already scaled by 1/sqrt(C); gate_bias (1,).
-    Returns new streams, h (N, C), beta and alpha (n, N) (float32 for half precision), and the originals of the `keep`
-    largest gates per token (indices (keep, N), streams (keep, N, C)) for the inversion."""
+    result. streams (n, *tokens, C), u (*tokens, C) (tokens: (B, T), or (N,)); queries (C,) or (1, C)
+    already scaled by 1/sqrt(C); gate_bias (1,). Returns new streams, h (*tokens, C), beta and alpha (n, *tokens) (float32
+    for half precision), and the originals of the `keep` largest gates per token (indices (keep, *tokens),
+    streams (keep, *tokens, C)) for the inversion."""
     s, u_wide = upcast(streams), upcast(u)
     beta = _gates(_rms_dot(s, upcast(gate_query))[1], upcast(gate_bias), competitive)
     new = torch.lerp(s, u_wide, beta.unsqueeze(-1))  # s + beta (u - s)
     alpha = torch.softmax(_rms_dot(new, upcast(pool_query))[1], dim=0)
     h = (alpha.unsqueeze(-1) * new).sum(0)  # (einsum would run one tiny matmul per token on CPU)
     index = beta.topk(keep, dim=0).indices
-    kept = streams.gather(0, index.unsqueeze(-1).expand(-1, -1, streams.shape[-1]))
+    kept = streams.gather(0, index.unsqueeze(-1).expand(*index.shape, streams.shape[-1]))
     return cast(new, streams.dtype), cast(h, u.dtype), beta, alpha, index, kept
 
 
@@ -1406,7 +1408,7 @@ def mgr_step_backward_torch(x, u, gate_query, gate_bias, pool_query, beta, alpha
     if invert:
         new = x
         s = torch.addcmul(x, b, u_wide, value=-1).div_(1 - b)
-        s.scatter_(0, index.unsqueeze(-1).expand(-1, -1, x.shape[-1]), upcast(kept))
+        s.scatter_(0, index.unsqueeze(-1).expand(*index.shape, x.shape[-1]), upcast(kept))
     else:
         s = x
         new = torch.lerp(s, u_wide, b)
@@ -1418,7 +1420,7 @@ def mgr_step_backward_torch(x, u, gate_query, gate_bias, pool_query, beta, alpha
     d_new = torch.addcmul(upcast(grad_new), alpha.unsqueeze(-1), grad_h)
     d_new.addcmul_((dy * r2).unsqueeze(-1), upcast(pool_query)).addcmul_((dy * r2 * r2 * y / C).unsqueeze(-1), new,
                                                                            value=-1)
-    grad_pool = (dy * r2).flatten() @ new.flatten(0, 1)
+    grad_pool = ((dy * r2).flatten() @ new.flatten(0, -2)).view_as(pool_query)
     # lerp: s' = s + beta (u - s)
     grad_u = (b * d_new).sum(0)
     d_beta = (d_new * (u_wide - s)).sum(-1)
@@ -1433,7 +1435,7 @@ def mgr_step_backward_torch(x, u, gate_query, gate_bias, pool_query, beta, alpha
         grad_bias = dz.sum()
     r, z = _rms_dot(s, upcast(gate_query))
     d_s.addcmul_((dz * r).unsqueeze(-1), upcast(gate_query)).addcmul_((dz * r * r * z / C).unsqueeze(-1), s, value=-1)
-    grad_gate = (dz * r).flatten() @ s.flatten(0, 1)
+    grad_gate = ((dz * r).flatten() @ s.flatten(0, -2)).view_as(gate_query)
     return (d_s.to(x.dtype), grad_u.to(u.dtype), grad_gate, grad_bias.reshape(1), grad_pool, s)
 
 
@@ -1548,14 +1550,14 @@ if triton is not None:
 @torch.library.custom_op('resroute::mgr_step', mutates_args=())
 def triton_mgr_step(streams: Tensor, u: Tensor, gate_query: Tensor, gate_bias: Tensor, pool_query: Tensor,
                     competitive: bool, keep: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """mgr_step_torch in Triton, one program per token."""
+    """mgr_step_torch in Triton, one program per tile of tokens (the tokens' shape as given: no view)."""
     streams, u = streams.contiguous(), u.contiguous()
-    n, N, C = streams.shape
-    acc, acc_tl = accumulator(streams.dtype)
+    n, tokens, C = streams.shape[0], u.shape[:-1], u.shape[-1]
+    N, (acc, acc_tl) = u.numel() // C, accumulator(streams.dtype)
     new, h = torch.empty_like(streams), torch.empty_like(u)
-    beta, alpha = (torch.empty((n, N), device=u.device, dtype=acc) for _ in range(2))
-    index = torch.empty((keep, N), device=u.device, dtype=torch.int64)
-    kept = streams.new_empty((keep, N, C))
+    beta, alpha = (torch.empty((n, *tokens), device=u.device, dtype=acc) for _ in range(2))
+    index = torch.empty((keep, *tokens), device=u.device, dtype=torch.int64)
+    kept = streams.new_empty((keep, *tokens, C))
     BT = token_tile(n, C, N)
     _mgr_step_fwd[(triton.cdiv(N, BT),)](streams, u, gate_query.contiguous(), pool_query.contiguous(), gate_bias, new,
                                          h, beta, alpha, index, kept, n, N, C, keep, RMS_EPS, COMPETITIVE=competitive,
@@ -1565,10 +1567,10 @@ def triton_mgr_step(streams: Tensor, u: Tensor, gate_query: Tensor, gate_bias: T
 
 @triton_mgr_step.register_fake
 def _(streams, u, gate_query, gate_bias, pool_query, competitive, keep):
-    n, N, C = streams.shape
-    stat = lambda: streams.new_empty((n, N), dtype=accumulator(streams.dtype)[0])
+    n, tokens = streams.shape[0], u.shape[:-1]
+    stat = lambda: streams.new_empty((n, *tokens), dtype=accumulator(streams.dtype)[0])
     return (torch.empty_like(streams), torch.empty_like(u), stat(), stat(),
-            streams.new_empty((keep, N), dtype=torch.int64), streams.new_empty((keep, N, C)))
+            streams.new_empty((keep, *tokens), dtype=torch.int64), streams.new_empty((keep, *u.shape)))
 
 
 @torch.library.custom_op('resroute::mgr_step_backward', mutates_args=())
@@ -1578,7 +1580,8 @@ def triton_mgr_step_backward(x: Tensor, u: Tensor, gate_query: Tensor, gate_bias
                              ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """mgr_step_backward_torch in Triton."""
     x, u = x.contiguous(), u.contiguous()
-    n, N, C = x.shape
+    n, C = x.shape[0], x.shape[-1]
+    N = u.numel() // C
     BT, (acc, acc_tl) = token_tile(n, C, N), accumulator(x.dtype)
     programs = reduction_programs(triton.cdiv(N, BT))
     d_s, d_u = torch.empty_like(x), torch.empty_like(u)
@@ -1589,14 +1592,15 @@ def triton_mgr_step_backward(x: Tensor, u: Tensor, gate_query: Tensor, gate_bias
                                kept.contiguous(), grad_new.contiguous(), grad_h.contiguous(), d_s, d_u, rebuilt,
                                d_vg, d_vp, d_b, n, N, C, index.shape[0], RMS_EPS, COMPETITIVE=competitive,
                                INVERT=invert, ACC=acc_tl, BN=next_pow2(n), BT=BT, BC=next_pow2(C))
-    return d_s, d_u, d_vg.sum(0), d_b.sum().reshape(1), d_vp.sum(0), rebuilt
+    return (d_s, d_u, d_vg.sum(0).view(gate_query.shape), d_b.sum().reshape(1), d_vp.sum(0).view(pool_query.shape),
+            rebuilt)
 
 
 @triton_mgr_step_backward.register_fake
 def _(x, u, gate_query, gate_bias, pool_query, beta, alpha, index, kept, grad_new, grad_h, competitive, invert):
-    C, acc = x.shape[-1], accumulator(x.dtype)[0]
-    return (torch.empty_like(x), torch.empty_like(u), x.new_empty((C,), dtype=acc),
-            x.new_empty((1,), dtype=acc), x.new_empty((C,), dtype=acc),
+    acc = accumulator(x.dtype)[0]
+    return (torch.empty_like(x), torch.empty_like(u), x.new_empty(gate_query.shape, dtype=acc),
+            x.new_empty((1,), dtype=acc), x.new_empty(pool_query.shape, dtype=acc),
             torch.empty_like(x) if invert else x.new_empty(0))
 
 
@@ -1641,11 +1645,11 @@ class MGRStep(torch.autograd.Function):
 
 
 def mgr_step(streams, u, gate_query, gate_bias, pool_query, competitive, fallback_p, tape, step, last, backend):
-    """Fused MGR step -> (new streams (n, B, T, C), h (B, T, C)); see MGRStep."""
-    n, shape = streams.shape[0], u.shape
-    new, h, *_ = MGRStep.apply(streams.reshape(n, -1, shape[-1]), u.reshape(-1, shape[-1]), gate_query,
-                               gate_bias.reshape(1), pool_query, competitive, fallback_p, tape, step, last, backend)
-    return new.view(n, *shape), h.view(shape)
+    """Fused MGR step: streams (n, B, T, C), u (B, T, C), gate_bias (1,) -> (new streams, h (B, T, C));
+    see MGRStep. The kernels take the tokens' shape as it is: no views around them."""
+    new, h, *_ = MGRStep.apply(streams, u, gate_query, gate_bias, pool_query, competitive, fallback_p, tape, step,
+                               last, backend)
+    return new, h
 
 
 def mgr(module, x, sublayers, backend, mgr_fallback_p):
@@ -1660,8 +1664,8 @@ def mgr(module, x, sublayers, backend, mgr_fallback_p):
         return module(x, sublayers)
     n, gates = module.n, module.gates
     tape = {} if mgr_fallback_p >= 0 and not torch.compiler.is_compiling() else None  # Python state: eager only
-    pool_queries = (module.pool.queries * module.pool.scale).split(1)
-    gate_queries, gate_bias = (gates.queries * gates.scale).unbind(0), gates.bias.split(1)
+    pool_queries = (module.pool.queries * module.pool.scale).split(1)  # rows (1, C): the reads' and the steps'
+    gate_queries, gate_bias = (gates.queries * gates.scale).split(1), gates.bias.split(1)
     started, streams = [x], None  # s_1 = e, then one stream per update of the accumulation phase
     h = read_all(pool_queries[0], started, None, backend)
     for i, f in enumerate(sublayers):
@@ -1673,7 +1677,7 @@ def mgr(module, x, sublayers, backend, mgr_fallback_p):
             if streams is None:
                 streams = torch.stack(started) if len(started) > 1 else x.unsqueeze(0)
             j = i - (n - 1)
-            streams, h = mgr_step(streams, u, gate_queries[j], gate_bias[j], pool_queries[i + 1].view(-1),
+            streams, h = mgr_step(streams, u, gate_queries[j], gate_bias[j], pool_queries[i + 1],
                                   gates.competitive, mgr_fallback_p, tape, i, i == len(sublayers) - 1, backend)
     return h
 
