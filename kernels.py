@@ -17,8 +17,9 @@ twin equal to the reference, in value and in every gradient.
 
 depth_mix (AttnRes family, WAV): m queries read a list of S sources (B, T, C). DepthMix in PyTorch
 works one source at a time; the Triton kernel runs one program per tile of tokens (one token at
-GPT-2's widths, several at small ones: token_tile) and reads each source once in the forward (RMS, dots with every query and an online softmax in one pass) and once in the
-backward. The sources are never stacked.
+GPT-2's widths, several at small ones: token_tile) and reads each source once in the forward (RMS,
+dots with every query and an online softmax in one pass) and once in the backward. The sources are
+never stacked.
 
 Two-phase reads (the AttnRes paper's schedule): the queries of a block (or of a chunk of about
 sqrt(L) sublayers for Full and Delta AttnRes) read the finished sources in one pass; each sublayer
@@ -128,10 +129,10 @@ TILE = 1024  # elements of a (queries, tokens, channels) block in a depth-mix, R
 
 def token_tile(m, C, N):
     """Tokens per program of the depth-mix, RMS-match and MGR-step kernels, for m queries (MGR: n
-    streams) of width C over N tokens: as many as keep an (m, tokens, C) block within TILE elements. One token from
-    width 513 on (GPT-2's 768: a program per token, as the kernels were first measured); at small
-    widths several, where one token's program would sit nearly idle (and the interpreter, which pays
-    per operation, runs the tests many times faster)."""
+    streams) of width C over N tokens: as many as keep an (m, tokens, C) block within TILE elements.
+    One token from width 513 on (GPT-2's 768: a program per token, as the kernels were first
+    measured); at small widths several, where one token's program would sit nearly idle (and the
+    interpreter, which pays per operation, runs the tests many times faster)."""
     return max(1, min(next_pow2(N), TILE // (next_pow2(m) * next_pow2(C))))
 
 
@@ -298,7 +299,8 @@ if triton is not None:
             lse = tl.load(LSE + stat_at, mask=stat_mask, other=0.).to(ACC)
             if HAS_PRIOR:
                 prior = tl.load(PRIOR + at, mask=mask, other=0.).to(ACC)
-                w = tl.where(stat_mask, tl.exp(tl.load(PRIOR_LSE + stat_at, mask=stat_mask, other=0.).to(ACC) - lse), 0.)
+                prior_lse = tl.load(PRIOR_LSE + stat_at, mask=stat_mask, other=0.).to(ACC)
+                w = tl.where(stat_mask, tl.exp(prior_lse - lse), 0.)
                 tl.store(D_PRIOR + at, (w[:, :, None] * g).to(D_PRIOR.dtype.element_ty), mask=mask)
                 tl.store(D_PRIOR_LSE + stat_at, (w * (tl.sum(g * prior, axis=2) - g_out + g_lse)).to(
                     D_PRIOR_LSE.dtype.element_ty), mask=stat_mask)
@@ -1184,7 +1186,8 @@ if triton is not None:
                 tl.store(D_XW + t[:, None] * K + n + k[None, :], (r[:, None] * a_post * dv).to(dtype), mask=tk)
                 tl.store(D_XW + t[:, None] * K + 2 * n + p[None, :], (r[:, None] * a_res * dz).to(dtype),
                          mask=tmask[:, None] & pmask[None, :])
-                s_pre, s_post, s_res = tl.sum(du * p_pre, axis=1), tl.sum(dv * p_post, axis=1), tl.sum(dz * p_res, axis=1)
+                s_pre, s_post = tl.sum(du * p_pre, axis=1), tl.sum(dv * p_post, axis=1)
+                s_res = tl.sum(dz * p_res, axis=1)
                 corr += (r * r * (a_pre * s_pre + a_post * s_post + a_res * s_res) / (n * C))[:, None]
                 d_pre += tl.sum(du, axis=0)  # (tokens outside the tile: all zero)
                 d_post += tl.sum(dv, axis=0)
@@ -1245,7 +1248,8 @@ if triton is not None:
             u = tl.load(U + t[:, None] * C + cols[None, :], mask=tmask[:, None] & cmask[None, :], other=0.).to(ACC)
             g = tl.load(G + t[:, None, None] * n * C + k[None, :, None] * C + cols[None, None, :],
                         mask=tk[:, :, None] & cmask[None, None, :], other=0.).to(ACC)
-            tl.store(D_U + t[:, None] * C + cols[None, :], tl.sum(post[:, :, None] * g, axis=1).to(D_U.dtype.element_ty),
+            d_u = tl.sum(post[:, :, None] * g, axis=1)
+            tl.store(D_U + t[:, None] * C + cols[None, :], d_u.to(D_U.dtype.element_ty),
                      mask=tmask[:, None] & cmask[None, :])
             d_post += tl.sum(g * u[:, None, :], axis=2)
         tl.store(D_POST + t[:, None] * n + k[None, :], d_post.to(D_POST.dtype.element_ty), mask=tk)
@@ -1385,9 +1389,9 @@ def _rms_dot(x, query):
 def mgr_step_torch(streams, u, gate_query, gate_bias, pool_query, competitive, keep):
     """The fused step in PyTorch: the gates from the input streams, the lerp, the AttnPool of the
     result. streams (n, *tokens, C), u (*tokens, C) (tokens: (B, T), or (N,)); queries (C,) or (1, C)
-    already scaled by 1/sqrt(C); gate_bias (1,). Returns new streams, h (*tokens, C), beta and alpha (n, *tokens) (float32
-    for half precision), and the originals of the `keep` largest gates per token (indices (keep, *tokens),
-    streams (keep, *tokens, C)) for the inversion."""
+    already scaled by 1/sqrt(C); gate_bias (1,). Returns new streams, h (*tokens, C), beta and alpha
+    (n, *tokens) (float32 for half precision), and the originals of the `keep` largest gates per token
+    (indices (keep, *tokens), streams (keep, *tokens, C)) for the inversion."""
     s, u_wide = upcast(streams), upcast(u)
     beta = _gates(_rms_dot(s, upcast(gate_query))[1], upcast(gate_bias), competitive)
     new = torch.lerp(s, u_wide, beta.unsqueeze(-1))  # s + beta (u - s)
