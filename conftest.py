@@ -143,12 +143,12 @@ def data_dir(tmp_path_factory):
 
 @pytest.fixture
 def few_programs(monkeypatch):
-    """At most 3 programs in the reducing backward kernels, so that on a few tokens each program
-    already loops over several of them and writes a partial sum (on a GPU: up to 512), and tiles of
-    at most 4 tokens in the depth-mix and MGR-step kernels, so that a call on a few tokens spans
-    several tiles, the last one part-filled."""
-    monkeypatch.setattr(kernels, 'reduction_programs', lambda n_tokens: min(n_tokens, 3))
+    """Tiles of at most 4 tokens in every tiled kernel, so that a call on a few tokens spans several
+    tiles, the last one part-filled, and at most 2 programs in the reducing backward kernels, so that
+    each program loops over several tiles and writes a partial sum (on a GPU: up to 512 programs)."""
+    monkeypatch.setattr(kernels, 'reduction_programs', lambda n_tiles: min(n_tiles, 2))
     monkeypatch.setattr(kernels, 'token_tile', lambda m, C, N: min(4, kernels.next_pow2(N)))
+    monkeypatch.setattr(kernels, 'stream_tile', lambda n, C, n_perm, N: min(4, kernels.next_pow2(N)))
 
 
 @pytest.fixture(autouse=True)

@@ -117,11 +117,11 @@ def next_pow2(x):
     return 1 << max(0, int(x) - 1).bit_length()
 
 
-def reduction_programs(n_tokens):
+def reduction_programs(n_tiles):
     """Programs of a backward kernel that also reduces over tokens (query, bias grads): each loops
-    over tokens (or tiles of tokens) and writes one partial sum, so there are no atomics and the
-    result is deterministic."""
-    return min(n_tokens, 512)
+    over tiles of tokens and writes one partial sum, so there are no atomics and the result is
+    deterministic."""
+    return min(n_tiles, 512)
 
 
 TILE = 1024  # elements of a (queries, tokens, channels) block in a depth-mix, RMS-match or MGR-step program
