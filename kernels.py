@@ -748,14 +748,17 @@ def _(grads, scales):
 
 
 def _rms_match_setup(ctx, inputs, output):
-    ctx.save_for_backward(output[1])
-    ctx.dtypes = [d.dtype for d in inputs[1]]
+    # The scales are detached (WAV's matching): non-differentiable, they have no autograd node, so ctx
+    # can hold them without a reference cycle, and without the two detaches (forward and backward)
+    # with which autograd keeps a saved output.
+    ctx.mark_non_differentiable(output[1])
+    ctx.scales, ctx.dtypes = output[1], [d.dtype for d in inputs[1]]
     ctx.set_materialize_grads(False)  # an unread matched detail gets no gradient, rather than zeros
 
 
 def _rms_match_grads(ctx, grad_matched, grad_scales):
-    """The scales are detached: each detail's gradient is its output's times its scale."""
-    scales, = ctx.saved_tensors
+    """Each detail's gradient is its output's times its (detached) scale."""
+    scales = ctx.scales
     used = [k for k, g in enumerate(grad_matched) if g is not None]
     grads = [None] * len(grad_matched)
     if used:
