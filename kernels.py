@@ -750,7 +750,8 @@ def _(grads, scales):
 def _rms_match_setup(ctx, inputs, output):
     # The scales are detached (WAV's matching): non-differentiable, they have no autograd node, so ctx
     # can hold them without a reference cycle, and without the two detaches (forward and backward)
-    # with which autograd keeps a saved output.
+    # with which autograd keeps a saved output. (They then live until the graph is freed, not only
+    # until its backward: a few numbers per token.)
     ctx.mark_non_differentiable(output[1])
     ctx.scales, ctx.dtypes = output[1], [d.dtype for d in inputs[1]]
     ctx.set_materialize_grads(False)  # an unread matched detail gets no gradient, rather than zeros
