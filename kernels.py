@@ -1035,11 +1035,16 @@ STREAM_BC = 256  # columns per pass: the (n + 1, n, BC) products stay small in r
 STREAM_TILE = 8192  # elements of a program's largest block: (tokens, n + 1, n, BC) or mHC's (tokens, n!, n + 1, n)
 
 
+def stream_columns(C):
+    """Columns per pass of the stream kernels (BC)."""
+    return min(next_pow2(C), STREAM_BC)
+
+
 def stream_tile(n, C, n_perm, N):
     """Tokens per program of the stream kernels: one at GPT-2's width (n = 4: an (n + 1, n, 256) block
     fills the budget), several at small widths (as token_tile for the depth mix)."""
     NP, NP1 = next_pow2(n), next_pow2(n + 1)
-    block = NP1 * NP * max(min(next_pow2(C), STREAM_BC), next_pow2(n_perm))
+    block = NP1 * NP * max(stream_columns(C), next_pow2(n_perm))
     return max(1, min(next_pow2(N), STREAM_TILE // block))
 
 
@@ -1273,7 +1278,7 @@ def _stream_args(H, XW, params, kind):
     K = 0 if XW is None else XW.shape[-1]
     n_perm = params[2].shape[0] if kind == MHC else 1
     blocks = dict(BT=stream_tile(n, C, n_perm, H.shape[0]), NP=next_pow2(n), NP1=next_pow2(n + 1),
-                  PP=next_pow2(n_perm), BC=min(next_pow2(C), STREAM_BC))
+                  PP=next_pow2(n_perm), BC=stream_columns(C))
     return H, (None if XW is None else XW.contiguous()), P, (n, C, K, n_perm), blocks
 
 
@@ -1315,11 +1320,12 @@ def _triton_stream_mix_backward(H: Tensor, XW: Optional[Tensor], params: List[Te
 @torch.library.custom_op('resroute::advance_backward', mutates_args=())
 def _triton_advance_backward(grad: Tensor, update: Tensor, post: Tensor) -> Tuple[Tensor, Tensor]:
     n, C = grad.shape[-2:]
-    N, BT = update.numel() // C, stream_tile(n, C, 1, update.numel() // C)
+    N = update.numel() // C
+    BT = stream_tile(n, C, 1, N)
     d_update, d_post = torch.empty_like(update), torch.empty_like(post)
     _advance_bwd[(triton.cdiv(N, BT),)](grad.contiguous(), update.contiguous(), post.contiguous(), d_update, d_post,
                                         N, n, C, ACC=accumulator(grad.dtype)[1], BT=BT, NP=next_pow2(n),
-                                        BC=min(next_pow2(C), STREAM_BC))
+                                        BC=stream_columns(C))
     return d_update, d_post
 
 

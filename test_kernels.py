@@ -650,9 +650,9 @@ for key, (fn, bound) in launches.items():
                                                                           if constant(p)}), target=GPUTarget('cuda', 90, 32))
     except Exception as e:
         failed.append(f"{key}: {e!r}")
-tiles = {fn.fn.__name__: set() for fn, _ in launches.values()}
+tiles = {}
 for fn, bound in launches.values():
-    tiles[fn.fn.__name__].add(bound.get('BT'))
+    tiles.setdefault(fn.fn.__name__, set()).add(bound.get('BT'))
 print(len(launches), sorted(tiles), 'tiles', sorted(name for name, sizes in tiles.items() if len(sizes - {None}) >= 2))
 sys.exit('\\n'.join(failed) or None)
 """
