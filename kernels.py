@@ -859,8 +859,8 @@ def stream_mixing(A, H):
 
 
 def advance(mixed, post, update):
-    """The next streams H' + post^T f(h)."""
-    return torch.addcmul(mixed, post.unsqueeze(-1), update.unsqueeze(-2))
+    """The next streams H' + post^T f(h); post (..., n), or (..., n, 1) as the kernels write it."""
+    return torch.addcmul(mixed, post if post.dim() == mixed.dim() else post.unsqueeze(-1), update.unsqueeze(-2))
 
 
 def rms_projection(X, W):
@@ -976,7 +976,7 @@ def streams(coefficients, module, x, sublayers, backend, mgr_fallback_p):
     if backend == 'triton':
         kind, own = triton_stream_params(connections)
         mix = lambda H, i, segment: TritonStreamMix.apply(H, projections[i], segment, kind, *own[i])
-        step = lambda H, c, u: advance(_triton_stream_mix(H, c[0], list(c[2]), kind, True)[1], c[1], u)
+        step = lambda H, c, u: advance(_triton_stream_mix(H, c[0], None, list(c[2]), kind, True)[1], c[1], u)
     else:
         params = list(connections.parameters())
         mix = lambda H, i, segment: StreamMix.apply(H, projections[i], segment, connect, *params)
@@ -1024,12 +1024,14 @@ def mhc_connect(coefficients, i, projected):
 
 # ----------------------------------------------------------------------------- HC and mHC-lite: the Triton step
 #
-# One kernel per sublayer forward: the RMS of the streams, the connections from the projection XW (one
-# GEMM outside, by cuBLAS), the mixing A^T H and the outputs h, H', post. One kernel backward, on the
-# rebuilt streams: the mixing's and the connections' gradients, the RMS part of the projection's, and each
-# program's partial sums of the small parameters' gradients (no atomics); the projection's two GEMMs stay
-# outside. The streams are rebuilt by the same forward kernel from the saved XW (a few numbers per token),
-# and H <- H' + post^T f(h) has a one-kernel backward. Kinds: HC (dynamic), HC static, mHC-lite.
+# One kernel per sublayer forward: the RMS of the streams, the projection XW (HC: each stream's (C, n + 2)
+# product, in the same pass over the columns; mHC-lite's (n C, 2n + n!) one: a GEMM outside, by cuBLAS),
+# the connections from it, the mixing A^T H and the outputs h, H', post. One kernel backward, on the
+# rebuilt streams: the mixing's, the connections' and (HC) the projection's gradients, and each program's
+# partial sums of the parameters' gradients (no atomics; HC's W among them: C (n + 2) numbers a program,
+# where mHC-lite's n C (2n + n!) would be 16x as many: its two GEMMs stay outside). The streams are
+# rebuilt by the same forward kernel from the saved XW (a few numbers per token), and H <- H' + post^T f(h)
+# has a one-kernel backward. Kinds: HC (dynamic), HC static, mHC-lite.
 HC, HC_STATIC, MHC = 0, 1, 2
 STREAM_BC = 256  # columns per pass: the (n + 1, n, BC) products stay small in registers
 STREAM_TILE = 8192  # elements of a program's largest block: (tokens, n + 1, n, BC) or mHC's (tokens, n!, n + 1, n)
@@ -1041,10 +1043,11 @@ def stream_columns(C):
 
 
 def stream_tile(n, C, n_perm, N):
-    """Tokens per program of the stream kernels: one at GPT-2's width (n = 4: an (n + 1, n, 256) block
-    fills the budget), several at small widths (as token_tile for the depth mix)."""
-    NP, NP1 = next_pow2(n), next_pow2(n + 1)
-    block = NP1 * NP * max(stream_columns(C), next_pow2(n_perm))
+    """Tokens per program of the stream kernels: one at GPT-2's width (n = 4: an (n + 1, n, 256) block,
+    or HC's projection (n, 256, n + 2), fills the budget), several at small widths (as token_tile for
+    the depth mix)."""
+    NP, NP2 = next_pow2(n), next_pow2(n + 2)
+    block = NP2 * NP * max(stream_columns(C), next_pow2(n_perm))
     return max(1, min(next_pow2(N), STREAM_TILE // block))
 
 
@@ -1109,19 +1112,29 @@ if triton is not None:
             return 1 / tl.sqrt(ss / C + eps)
 
     @triton.jit
-    def _stream_mix_fwd(H, XW, P0, P1, P2, P3, OUT_H, OUT_MIXED, OUT_POST, stride_t, stride_k, N, n, C, K, n_perm,
-                        eps, KIND: tl.constexpr, MIXED_ONLY: tl.constexpr, ACC: tl.constexpr, BT: tl.constexpr,
-                        NP: tl.constexpr, NP1: tl.constexpr, PP: tl.constexpr, BC: tl.constexpr):
+    def _stream_mix_fwd(H, W, XW, P0, P1, P2, P3, OUT_H, OUT_MIXED, OUT_POST, stride_t, stride_k, N, n, C, K,
+                        n_perm, eps, KIND: tl.constexpr, PROJECT: tl.constexpr, MIXED_ONLY: tl.constexpr,
+                        ACC: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr, NP1: tl.constexpr, KP: tl.constexpr,
+                        PP: tl.constexpr, BC: tl.constexpr):
         t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)  # a tile of BT tokens
-        k, j, c = tl.arange(0, NP), tl.arange(0, NP1), tl.arange(0, BC)
+        k, j, c, q = tl.arange(0, NP), tl.arange(0, NP1), tl.arange(0, BC), tl.arange(0, KP)
         tmask, kmask = t < N, k < n
         streams = t[:, None, None] * stride_t + k[None, :, None] * stride_k  # (+ columns)
         tk = tmask[:, None, None] & kmask[None, :, None]
         ss = tl.zeros((BT, NP), ACC)
-        for c0 in range(0, C, BC):  # the streams' sums of squares, BC columns at a time
+        xw = tl.zeros((BT, NP, KP), ACC)
+        for c0 in range(0, C, BC):  # the streams' sums of squares (and HC's XW), BC columns at a time
             cols = c0 + c
             HT = tl.load(H + streams + cols[None, None, :], mask=tk & (cols < C)[None, None, :], other=0.).to(ACC)
             ss += tl.sum(HT * HT, axis=2)
+            if PROJECT:
+                Wc = tl.load(W + cols[:, None] * K + q[None, :], mask=(cols < C)[:, None] & (q < K)[None, :],
+                             other=0.).to(ACC)
+                xw += tl.sum(HT[:, :, :, None] * Wc[None, None, :, :], axis=2)
+        if PROJECT:  # written, then read back by _stream_connect (after a barrier: other threads wrote it)
+            tl.store(XW + t[:, None, None] * n * K + k[None, :, None] * K + q[None, None, :], xw,
+                     mask=tk & (q < K)[None, None, :])
+            tl.debug_barrier()
         r = _stream_rms(ss, n, C, eps, KIND)
         AT, post, X1, X2, X3, X4, X5, X6 = _stream_connect(XW, P0, P1, P2, P3, t, tmask, r, n, K, n_perm, KIND, ACC,
                                                            BT, NP, NP1, PP)
@@ -1143,8 +1156,8 @@ if triton is not None:
                      mask=tmask[:, None] & kmask[None, :])
 
     @triton.jit
-    def _stream_mix_bwd(H, XW, P0, P1, P2, P3, G_H, G_MIXED, G_POST, D_H, D_XW, PART, stride_t, stride_k, N, n, C, K,
-                        n_perm, n_part, eps, KIND: tl.constexpr, ACC: tl.constexpr, BT: tl.constexpr,
+    def _stream_mix_bwd(H, W, XW, P0, P1, P2, P3, G_H, G_MIXED, G_POST, D_H, D_XW, PART, stride_t, stride_k, N, n,
+                        C, K, n_perm, n_part, eps, KIND: tl.constexpr, ACC: tl.constexpr, BT: tl.constexpr,
                         NP: tl.constexpr, NP1: tl.constexpr, PP: tl.constexpr, BC: tl.constexpr):
         pid, programs = tl.program_id(0), tl.num_programs(0)
         k, j, p, c = tl.arange(0, NP), tl.arange(0, NP1), tl.arange(0, PP), tl.arange(0, BC)
@@ -1157,6 +1170,7 @@ if triton is not None:
         d_z = tl.zeros((PP,), ACC)
         e = tl.arange(0, 4)
         d_a = tl.zeros((4,), ACC)  # s_a, s_b (HC) or a_pre, a_post, a_res (mHC)
+        part_w = PART + pid * n_part + n * (n + 1) + n + 2  # HC: W's gradient (C, K) after the small ones
         for tile in range(pid, tl.cdiv(N, BT), programs):  # each program: every programs-th tile of BT tokens
             t = (pid.to(tl.int64) + (tile - pid)) * BT + tl.arange(0, BT)  # int64 (the interpreter: Python ints)
             tmask = t < N
@@ -1181,6 +1195,8 @@ if triton is not None:
             AT, post, X1, X2, X3, X4, X5, X6 = _stream_connect(XW, P0, P1, P2, P3, t, tmask, r, n, K, n_perm, KIND,
                                                                ACC, BT, NP, NP1, PP)
             corr = tl.zeros((BT, NP), ACC)  # (r^2 / D) dP . P per projected row: the RMS's share of d H
+            d_xa = tl.zeros((BT, NP1, NP), ACC)  # HC: d XW (its columns 0..n transposed, and column n + 1)
+            d_xb = tl.zeros((BT, NP), ACC)
             if KIND == 2:
                 perm, w, p_pre, p_post, p_res, h_pre = X1, X2, X3, X4, X5, X6
                 a_pre, a_post, a_res = tl.load(P0).to(ACC), tl.load(P0 + 1).to(ACC), tl.load(P0 + 2).to(ACC)
@@ -1211,14 +1227,11 @@ if triton is not None:
                     s_a, s_b = tl.load(P2).to(ACC), tl.load(P3).to(ACC)
                     dPT = s_a * (1 - TT * TT) * g_AT
                     dpb = s_b * (1 - tb * tb) * g_post
-                    dtype = D_XW.dtype.element_ty
-                    tl.store(D_XW + t[:, None, None] * n * K + k[None, None, :] * K + j[None, :, None],
-                             (r[:, None, :] * dPT).to(dtype), mask=tmask[:, None, None] & m2[None, :, :])
-                    tl.store(D_XW + t[:, None] * n * K + k[None, :] * K + n + 1, (r * dpb).to(dtype), mask=tk)
+                    d_xa, d_xb = r[:, None, :] * dPT, r * dpb
                     corr = r * r * (tl.sum(dPT * PT, axis=1) + dpb * pb) / C
                     d_a += tl.where(e == 0, tl.sum(tl.sum(tl.sum(TT * g_AT, axis=2), axis=1), axis=0), 0.)
                     d_a += tl.where(e == 1, tl.sum(tl.sum(tb * g_post, axis=1), axis=0), 0.)
-            for c0 in range(0, C, BC):  # d H_s = sum_j A^T[j, s] G_j - corr_s H_s
+            for c0 in range(0, C, BC):  # d H_s = sum_j A^T[j, s] G_j - corr_s H_s (+ HC: d XW_s W^T)
                 cols = c0 + c
                 cmask = (cols < C)[None, None, :]
                 HT = tl.load(H + streams + cols[None, None, :], mask=tk3 & cmask, other=0.).to(ACC)
@@ -1227,6 +1240,20 @@ if triton is not None:
                 G += tl.load(G_H + t[:, None, None] * C + j[None, :, None] * 0 + cols[None, None, :], mask=t0 & cmask,
                              other=0.).to(ACC)
                 dH = tl.sum(AT[:, :, :, None] * G[:, :, None, :], axis=1) - corr[:, :, None] * HT
+                if KIND == 0:  # XW = H W per stream: H gets d XW W^T; W gets H^T d XW, in this program's part
+                    at_a = part_w + cols[None, :] * K + j[:, None]  # W[c, j], j = 0..n (the width columns)
+                    m_a = jmask[:, None] & (cols < C)[None, :]
+                    dH += tl.sum(d_xa[:, :, :, None] * tl.load(W + cols[None, :] * K + j[:, None], mask=m_a,
+                                                                 other=0.).to(ACC)[None, :, None, :], axis=1)
+                    w_b = tl.load(W + cols * K + n + 1, mask=cols < C, other=0.).to(ACC)  # W[c, n + 1] (depth)
+                    dH += d_xb[:, :, None] * w_b[None, None, :]
+                    g_a = tl.sum(tl.sum(d_xa[:, :, :, None] * HT[:, None, :, :], axis=2), axis=0)
+                    g_b = tl.sum(tl.sum(d_xb[:, :, None] * HT, axis=1), axis=0)
+                    later = tile > pid  # the program's first tile writes its part, later ones add to it
+                    g_a += tl.where(later, tl.load(at_a, mask=m_a, other=0.), 0.)
+                    g_b += tl.where(later, tl.load(part_w + cols * K + n + 1, mask=cols < C, other=0.), 0.)
+                    tl.store(at_a, g_a, mask=m_a)
+                    tl.store(part_w + cols * K + n + 1, g_b, mask=cols < C)
                 tl.store(D_H + t[:, None, None] * n * C + k[None, :, None] * C + cols[None, None, :],
                          dH.to(D_H.dtype.element_ty), mask=tk3 & cmask)
         part = PART + pid * n_part
@@ -1235,7 +1262,7 @@ if triton is not None:
             tl.store(part + 3 + k, d_pre, mask=kmask)
             tl.store(part + 3 + n + k, d_post, mask=kmask)
             tl.store(part + 3 + 2 * n + p, d_z, mask=pmask)
-        else:  # [width (n, n+1) | depth (n) | s_a, s_b]
+        else:  # [width (n, n+1) | depth (n) | s_a, s_b | (HC, written above) W (C, K)]
             tl.store(part + k[None, :] * (n + 1) + j[:, None], d_AT, mask=m2)
             tl.store(part + n * (n + 1) + k, d_post, mask=kmask)
             if KIND == 0:
@@ -1264,9 +1291,9 @@ if triton is not None:
         tl.store(D_POST + t[:, None] * n + k[None, :], d_post.to(D_POST.dtype.element_ty), mask=tk)
 
 
-def _stream_args(H, XW, params, kind):
+def _stream_args(H, XW, W, params, kind):
     """The kernels' view of one step's inputs: streams (N, n, C) with a token and a stream stride (a
-    stride-0 stream dimension for e's n copies), XW, the four parameter pointers, and the sizes."""
+    stride-0 stream dimension for e's n copies), XW, W, the four parameter pointers, and the sizes."""
     n, C = H.shape[-2:]
     if H.stride(-1) != 1:
         H = H.contiguous()
@@ -1275,43 +1302,47 @@ def _stream_args(H, XW, params, kind):
     except RuntimeError:
         H = H.reshape(-1, n, C)
     P = list(params) + [None] * (4 - len(params))
-    K = 0 if XW is None else XW.shape[-1]
+    K = W.shape[1] if W is not None else 0 if XW is None else XW.shape[-1]
     n_perm = params[2].shape[0] if kind == MHC else 1
     blocks = dict(BT=stream_tile(n, C, n_perm, H.shape[0]), NP=next_pow2(n), NP1=next_pow2(n + 1),
                   PP=next_pow2(n_perm), BC=stream_columns(C))
-    return H, (None if XW is None else XW.contiguous()), P, (n, C, K, n_perm), blocks
+    return H, (None if XW is None else XW.contiguous()), (None if W is None else W.contiguous()), P, (n, C, K, n_perm), blocks
 
 
 @torch.library.custom_op('resroute::stream_mix', mutates_args=())
-def _triton_stream_mix(H: Tensor, XW: Optional[Tensor], params: List[Tensor], kind: int,
-                       mixed_only: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    """h (B, T, C), H' (B, T, n, C), post (B, T, n) of one HC or mHC-lite step (only H' when mixed_only)."""
+def _triton_stream_mix(H: Tensor, XW: Optional[Tensor], W: Optional[Tensor], params: List[Tensor], kind: int,
+                       mixed_only: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """h (B, T, C), H' (B, T, n, C), post (B, T, n, 1) of one HC or mHC-lite step (only H' when mixed_only),
+    and XW (B, T, n, n + 2), which the kernel projects when given HC's W (else a tensor of no elements)."""
     acc, acc_tl = accumulator(H.dtype)
-    H3, XW, P, (n, C, K, n_perm), blocks = _stream_args(H, XW, params, kind)
+    H3, XW, W, P, (n, C, K, n_perm), blocks = _stream_args(H, XW, W, params, kind)
     N = H3.shape[0]
     h = H.new_empty(H.shape[:-2] + (C,))
     mixed = H.new_empty(H.shape)
-    post = torch.empty(H.shape[:-1], device=H.device, dtype=acc)
-    _stream_mix_fwd[(triton.cdiv(N, blocks['BT']),)](H3, XW, *P, h, mixed, post, H3.stride(0), H3.stride(1), N, n, C,
-                                                     K, n_perm, RMS_EPS, KIND=kind, MIXED_ONLY=mixed_only,
-                                                     ACC=acc_tl, **blocks)
-    return h, mixed, post
+    post = torch.empty(H.shape[:-1] + (1,), device=H.device, dtype=acc)  # a column: advance adds post u as is
+    projected = torch.empty(H.shape[:-1] + (K,) if W is not None else (0,), device=H.device, dtype=acc)
+    _stream_mix_fwd[(triton.cdiv(N, blocks['BT']),)](H3, W, projected if W is not None else XW, *P, h, mixed, post,
+                                                     H3.stride(0), H3.stride(1), N, n, C, K, n_perm, RMS_EPS,
+                                                     KIND=kind, PROJECT=W is not None, MIXED_ONLY=mixed_only,
+                                                     ACC=acc_tl, KP=next_pow2(K), **blocks)
+    return h, mixed, post, projected
 
 
 @torch.library.custom_op('resroute::stream_mix_backward', mutates_args=())
-def _triton_stream_mix_backward(H: Tensor, XW: Optional[Tensor], params: List[Tensor], kind: int, grad_h: Tensor,
-                                grad_mixed: Tensor, grad_post: Tensor) -> Tuple[Tensor, List[Tensor], Tensor]:
-    """d H (without the projection's GEMM), [d XW] ([] for static HC), and each program's partial sums of the gradients of the
-    small parameters ([width | depth | s_a, s_b] or [alpha | bias]), to be summed over programs."""
+def _triton_stream_mix_backward(H: Tensor, XW: Optional[Tensor], W: Optional[Tensor], params: List[Tensor], kind: int,
+                                grad_h: Tensor, grad_mixed: Tensor, grad_post: Tensor) -> Tuple[Tensor, List[Tensor], Tensor]:
+    """d H (HC: whole; mHC-lite: without the projection's GEMM), [d XW] (mHC-lite; else []), and each
+    program's partial sums of the parameters' gradients ([width | depth | s_a, s_b | W (C, n + 2)] or
+    [alpha | bias]), to be summed over programs."""
     acc, acc_tl = accumulator(H.dtype)
-    H3, XW, P, (n, C, K, n_perm), blocks = _stream_args(H, XW, params, kind)
+    H3, XW, W, P, (n, C, K, n_perm), blocks = _stream_args(H, XW, W, params, kind)
     N = H3.shape[0]
     d_H = torch.empty(H.shape, device=H.device, dtype=H.dtype)
-    d_XW = None if XW is None else torch.empty(XW.shape, device=H.device, dtype=acc)
-    n_part = 3 + 2 * n + n_perm if kind == MHC else n * (n + 1) + n + (2 if kind == HC else 0)
+    d_XW = torch.empty(XW.shape, device=H.device, dtype=acc) if kind == MHC else None
+    n_part = 3 + 2 * n + n_perm if kind == MHC else n * (n + 1) + n + (2 + C * K if kind == HC else 0)
     programs = reduction_programs(triton.cdiv(N, blocks['BT']))
     parts = torch.empty((programs, n_part), device=H.device, dtype=acc)
-    _stream_mix_bwd[(programs,)](H3, XW, *P, grad_h.contiguous(), grad_mixed.contiguous(), grad_post.contiguous(),
+    _stream_mix_bwd[(programs,)](H3, W, XW, *P, grad_h.contiguous(), grad_mixed.contiguous(), grad_post.contiguous(),
                                  d_H, d_XW, parts, H3.stride(0), H3.stride(1), N, n, C, K, n_perm, n_part, RMS_EPS,
                                  KIND=kind, ACC=acc_tl, **blocks)
     return d_H, [] if d_XW is None else [d_XW], parts
@@ -1347,13 +1378,18 @@ class Advance(torch.autograd.Function):
 class TritonStreamMix(torch.autograd.Function):
     """StreamMix with the Triton kernels: (h, H', post) of sublayer i from the streams H, the projection
     W (or None: static HC) and the sublayer's connection parameters, saving XW (a few numbers per
-    token) and no streams; the backward rebuilds the streams from the segment."""
+    token) and no streams; the backward rebuilds the streams from the segment. HC's projection is
+    the kernels' (forward and backward); mHC-lite's is two GEMMs beside them."""
 
     @staticmethod
     def forward(ctx, H, W, segment, kind, *params):
         i = segment.start + len(segment.connections)
-        XW = None if W is None else torch.matmul(projected_rows(H, W), W)
-        h, mixed, post = _triton_stream_mix(H, XW, list(params), kind, False)
+        if kind == MHC:  # mHC-lite's projection by cuBLAS
+            XW = torch.matmul(projected_rows(H, W), W)
+            h, mixed, post, _ = _triton_stream_mix(H, XW, None, list(params), kind, False)
+        else:  # HC's by the kernel (static HC: none)
+            h, mixed, post, XW = _triton_stream_mix(H, None, W, list(params), kind, False)
+            XW = None if W is None else XW
         segment.connections.append((XW, post.detach(), params))  # (detached: see StreamMix)
         ctx.save_for_backward(H if i == segment.start else None, W, XW, *params)
         device = H.device.type
@@ -1366,17 +1402,20 @@ class TritonStreamMix(torch.autograd.Function):
     def backward(ctx, grad_h, grad_mixed, grad_post):
         _, W, XW, *params = ctx.saved_tensors
         H = ctx.segment.streams_at(ctx.i, ctx.autocast)
-        d_H, d_XW, parts = _triton_stream_mix_backward(H, XW, params, ctx.kind, grad_h, grad_mixed, grad_post)
-        sums, grad_W = parts.sum(0), None
-        if W is not None:  # XW = rows W: rows get d_XW W^T, W gets rows^T d_XW
+        kernel_W = W if ctx.kind == HC else None
+        d_H, d_XW, parts = _triton_stream_mix_backward(H, XW, kernel_W, params, ctx.kind, grad_h, grad_mixed,
+                                                       grad_post)
+        sums, grad_W, n = parts.sum(0), None, H.shape[-2]
+        if ctx.kind == MHC:  # XW = rows W: rows get d_XW W^T, W gets rows^T d_XW
             rows, d_XW = H.reshape(-1, W.shape[0]), d_XW[0].view(-1, W.shape[1])
             d_H.view(-1, W.shape[0]).addmm_(d_XW.to(d_H.dtype), W.t().to(d_H.dtype))
             grad_W = (rows.t() @ d_XW.to(rows.dtype)).to(W.dtype)
-        n = H.shape[-2]
-        if ctx.kind == MHC:
             grads = [sums[:3], sums[3:], None]
-        else:
-            grads = [sums[:n * (n + 1)].view(n, n + 1), sums[n * (n + 1):n * (n + 2)], *sums[n * (n + 2):]]
+        else:  # [width | depth | s_a, s_b (HC)] and HC's W
+            small = n * (n + 2) + len(params) - 2
+            grads = [sums[:n * (n + 1)].view(n, n + 1), sums[n * (n + 1):n * (n + 2)], *sums[n * (n + 2):small]]
+            if W is not None:
+                grad_W = sums[small:].view(W.shape).to(W.dtype)
         return d_H, grad_W, None, None, *[g.to(p.dtype) if g is not None else None for g, p in zip(grads, params)]
 
 
