@@ -970,15 +970,17 @@ def streams(coefficients, module, x, sublayers, backend, mgr_fallback_p):
     if torch.compiler.is_compiling():
         return compiled_streams(module, connections, connect, H, sublayers)
     length = max(1, round(math.sqrt(len(sublayers))))
-    # every sublayer's parameters at once: one backward node gathers their gradients (proj[i] would
+    # every sublayer's projection at once: one backward node gathers their gradients (proj[i] would
     # give each sublayer a full-size zero gradient with one row set)
-    projections = connections.proj.unbind() if hasattr(connections, 'proj') else [None] * len(sublayers)
-    if backend == 'triton':
-        kind, own = triton_stream_params(connections)
-        mix = lambda H, i, segment: TritonStreamMix.apply(H, projections[i], segment, kind, *own[i])
-        step = lambda H, c, u: advance(_triton_stream_mix(H, c[0], None, list(c[2]), kind, True)[1], c[1], u)
+    unbound = lambda: connections.proj.unbind() if hasattr(connections, 'proj') else [None] * len(sublayers)
+    if backend == 'triton':  # the kernels read sublayer i's rows of the stacked parameters (and of HC's W)
+        kind, params = triton_stream_params(connections)
+        grads = StreamGrads(kind, params, getattr(connections, 'proj', None))
+        projections = unbound() if kind == MHC else [grads.W] * len(sublayers)
+        mix = lambda H, i, segment: TritonStreamMix.apply(H, projections[i], segment, grads, *params)
+        step = lambda H, c, u: advance(_triton_stream_mix(H, c[0], None, params, c[2], kind, True)[1], c[1], u)
     else:
-        params = list(connections.parameters())
+        params, projections = list(connections.parameters()), unbound()
         mix = lambda H, i, segment: StreamMix.apply(H, projections[i], segment, connect, *params)
         step = lambda H, c, u: advance(stream_mixing(c[0], H)[..., 1:, :], c[1], u)
     for i, f in enumerate(sublayers):
@@ -992,16 +994,14 @@ def streams(coefficients, module, x, sublayers, backend, mgr_fallback_p):
 
 
 def triton_stream_params(connections):
-    """The kind of step and each sublayer's parameters for the kernels (each parameter unbound once):
-    HC [width, depth, s_a, s_b] (static: [width, depth]), mHC-lite [alpha, bias, the permutations as
+    """The kind of step and the stacked parameters (L, ...) the kernels read sublayer i's rows of: HC
+    [width, depth, s_a, s_b] (static: [width, depth]), mHC-lite [alpha, bias, the permutations as
     stream indices]."""
     if hasattr(connections, 'permutations'):
-        perm = connections.permutations.argmax(-1).to(torch.int32)
-        return MHC, [(a, b, perm) for a, b in zip(connections.alpha.unbind(), connections.bias.unbind())]
+        return MHC, [connections.alpha, connections.bias, connections.permutations.argmax(-1).to(torch.int32)]
     if connections.dynamic:
-        return HC, list(zip(connections.width.unbind(), connections.depth.unbind(), connections.width_scale.unbind(),
-                            connections.depth_scale.unbind()))
-    return HC_STATIC, list(zip(connections.width.unbind(), connections.depth.unbind()))
+        return HC, [connections.width, connections.depth, connections.width_scale, connections.depth_scale]
+    return HC_STATIC, [connections.width, connections.depth]
 
 
 def compiled_streams(module, connections, connect, H, sublayers):
@@ -1055,6 +1055,17 @@ if triton is not None:
     @triton.jit
     def _sigmoid(x):
         return 1 / (1 + tl.exp(-x))
+
+    @triton.jit
+    def _sublayer_params(P0, P1, P2, P3, i, n, K, KIND: tl.constexpr):
+        """Sublayer i's rows of the stacked parameters (L, ...): HC width, depth, s_a, s_b; mHC-lite alpha,
+        bias (P2: the permutations, shared)."""
+        if KIND == 2:
+            return P0 + i * 3, P1 + i * K, P2, P3
+        elif KIND == 0:
+            return P0 + i * n * (n + 1), P1 + i * n, P2 + i, P3 + i
+        else:
+            return P0 + i * n * (n + 1), P1 + i * n, P2, P3
 
     @triton.jit
     def _stream_connect(XW, P0, P1, P2, P3, t, tmask, r, n, K, n_perm, KIND: tl.constexpr, ACC: tl.constexpr,
@@ -1112,11 +1123,14 @@ if triton is not None:
             return 1 / tl.sqrt(ss / C + eps)
 
     @triton.jit
-    def _stream_mix_fwd(H, W, XW, P0, P1, P2, P3, OUT_H, OUT_MIXED, OUT_POST, stride_t, stride_k, N, n, C, K,
+    def _stream_mix_fwd(H, W, XW, P0, P1, P2, P3, OUT_H, OUT_MIXED, OUT_POST, i, stride_t, stride_k, N, n, C, K,
                         n_perm, eps, KIND: tl.constexpr, PROJECT: tl.constexpr, MIXED_ONLY: tl.constexpr,
                         ACC: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr, NP1: tl.constexpr, KP: tl.constexpr,
                         PP: tl.constexpr, BC: tl.constexpr):
         t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)  # a tile of BT tokens
+        P0, P1, P2, P3 = _sublayer_params(P0, P1, P2, P3, i, n, K, KIND)  # sublayer i's: rows of (L, ...)
+        if PROJECT:
+            W += i * C * K
         k, j, c, q = tl.arange(0, NP), tl.arange(0, NP1), tl.arange(0, BC), tl.arange(0, KP)
         tmask, kmask = t < N, k < n
         streams = t[:, None, None] * stride_t + k[None, :, None] * stride_k  # (+ columns)
@@ -1156,10 +1170,13 @@ if triton is not None:
                      mask=tmask[:, None] & kmask[None, :])
 
     @triton.jit
-    def _stream_mix_bwd(H, W, XW, P0, P1, P2, P3, G_H, G_MIXED, G_POST, D_H, D_XW, PART, stride_t, stride_k, N, n,
-                        C, K, n_perm, n_part, eps, KIND: tl.constexpr, ACC: tl.constexpr, BT: tl.constexpr,
+    def _stream_mix_bwd(H, W, XW, P0, P1, P2, P3, G_H, G_MIXED, G_POST, D_H, D_XW, PART, i, stride_t, stride_k, N,
+                        n, C, K, n_perm, n_part, eps, KIND: tl.constexpr, ACC: tl.constexpr, BT: tl.constexpr,
                         NP: tl.constexpr, NP1: tl.constexpr, PP: tl.constexpr, BC: tl.constexpr):
         pid, programs = tl.program_id(0), tl.num_programs(0)
+        P0, P1, P2, P3 = _sublayer_params(P0, P1, P2, P3, i, n, K, KIND)  # as in the forward
+        if KIND == 0:
+            W += i * C * K
         k, j, p, c = tl.arange(0, NP), tl.arange(0, NP1), tl.arange(0, PP), tl.arange(0, BC)
         kmask, jmask, pmask = k < n, j < n + 1, p < n_perm
         m2 = jmask[:, None] & kmask[None, :]
@@ -1302,7 +1319,7 @@ def _stream_args(H, XW, W, params, kind):
     except RuntimeError:
         H = H.reshape(-1, n, C)
     P = list(params) + [None] * (4 - len(params))
-    K = W.shape[1] if W is not None else 0 if XW is None else XW.shape[-1]
+    K = W.shape[-1] if W is not None else 0 if XW is None else XW.shape[-1]
     n_perm = params[2].shape[0] if kind == MHC else 1
     blocks = dict(BT=stream_tile(n, C, n_perm, H.shape[0]), NP=next_pow2(n), NP1=next_pow2(n + 1),
                   PP=next_pow2(n_perm), BC=stream_columns(C))
@@ -1310,10 +1327,11 @@ def _stream_args(H, XW, W, params, kind):
 
 
 @torch.library.custom_op('resroute::stream_mix', mutates_args=())
-def _triton_stream_mix(H: Tensor, XW: Optional[Tensor], W: Optional[Tensor], params: List[Tensor], kind: int,
+def _triton_stream_mix(H: Tensor, XW: Optional[Tensor], W: Optional[Tensor], params: List[Tensor], i: int, kind: int,
                        mixed_only: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """h (B, T, C), H' (B, T, n, C), post (B, T, n, 1) of one HC or mHC-lite step (only H' when mixed_only),
-    and XW (B, T, n, n + 2), which the kernel projects when given HC's W (else a tensor of no elements)."""
+    """h (B, T, C), H' (B, T, n, C), post (B, T, n, 1) of sublayer i's HC or mHC-lite step (only H' when
+    mixed_only), and XW (B, T, n, n + 2), which the kernel projects when given HC's W (else a tensor of no
+    elements). params (and HC's W): the stacked parameters (L, ...)."""
     acc, acc_tl = accumulator(H.dtype)
     H3, XW, W, P, (n, C, K, n_perm), blocks = _stream_args(H, XW, W, params, kind)
     N = H3.shape[0]
@@ -1322,15 +1340,16 @@ def _triton_stream_mix(H: Tensor, XW: Optional[Tensor], W: Optional[Tensor], par
     post = torch.empty(H.shape[:-1] + (1,), device=H.device, dtype=acc)  # a column: advance adds post u as is
     projected = torch.empty(H.shape[:-1] + (K,) if W is not None else (0,), device=H.device, dtype=acc)
     _stream_mix_fwd[(triton.cdiv(N, blocks['BT']),)](H3, W, projected if W is not None else XW, *P, h, mixed, post,
-                                                     H3.stride(0), H3.stride(1), N, n, C, K, n_perm, RMS_EPS,
+                                                     i, H3.stride(0), H3.stride(1), N, n, C, K, n_perm, RMS_EPS,
                                                      KIND=kind, PROJECT=W is not None, MIXED_ONLY=mixed_only,
                                                      ACC=acc_tl, KP=next_pow2(K), **blocks)
     return h, mixed, post, projected
 
 
 @torch.library.custom_op('resroute::stream_mix_backward', mutates_args=())
-def _triton_stream_mix_backward(H: Tensor, XW: Optional[Tensor], W: Optional[Tensor], params: List[Tensor], kind: int,
-                                grad_h: Tensor, grad_mixed: Tensor, grad_post: Tensor) -> Tuple[Tensor, List[Tensor], Tensor]:
+def _triton_stream_mix_backward(H: Tensor, XW: Optional[Tensor], W: Optional[Tensor], params: List[Tensor], i: int,
+                                kind: int, grad_h: Tensor, grad_mixed: Tensor,
+                                grad_post: Tensor) -> Tuple[Tensor, List[Tensor], Tensor]:
     """d H (HC: whole; mHC-lite: without the projection's GEMM), [d XW] (mHC-lite; else []), and each
     program's partial sums of the parameters' gradients ([width | depth | s_a, s_b | W (C, n + 2)] or
     [alpha | bias]), to be summed over programs."""
@@ -1343,7 +1362,7 @@ def _triton_stream_mix_backward(H: Tensor, XW: Optional[Tensor], W: Optional[Ten
     programs = reduction_programs(triton.cdiv(N, blocks['BT']))
     parts = torch.empty((programs, n_part), device=H.device, dtype=acc)
     _stream_mix_bwd[(programs,)](H3, W, XW, *P, grad_h.contiguous(), grad_mixed.contiguous(), grad_post.contiguous(),
-                                 d_H, d_XW, parts, H3.stride(0), H3.stride(1), N, n, C, K, n_perm, n_part, RMS_EPS,
+                                 d_H, d_XW, parts, i, H3.stride(0), H3.stride(1), N, n, C, K, n_perm, n_part, RMS_EPS,
                                  KIND=kind, ACC=acc_tl, **blocks)
     return d_H, [] if d_XW is None else [d_XW], parts
 
@@ -1375,48 +1394,76 @@ class Advance(torch.autograd.Function):
         return grad, d_post, d_update
 
 
+class StreamGrads:
+    """The gradients of the stacked connection parameters (L, ...) in one forward with the Triton
+    kernels: sublayer i's backward sums its programs' partial sums into row i of one (L, parts) tensor,
+    and sublayer 0, the last to run backward, hands out the parameters' gradients as views of it; the
+    others return None. (Per sublayer one row, where each sublayer's own gradients cost five slices
+    and autograd a stack of L of them per parameter.) A backward that stops short of sublayer 0
+    (autograd.grad with inputs inside the model) leaves its rows behind."""
+
+    def __init__(self, kind, params, W):
+        self.kind, self.params, self.W, self.rows = kind, params, W, None
+
+    def add(self, i, parts):
+        if self.rows is None:  # zeros: a sublayer whose backward did not run adds nothing
+            self.rows = parts.new_zeros((self.params[0].shape[0], parts.shape[1]))
+        torch.sum(parts, 0, out=self.rows[i])
+
+    def take(self):
+        """The gradients of the parameters (and of HC's W): [width | depth | s_a, s_b | W] or [alpha | bias]."""
+        rows, self.rows, L, at = self.rows, None, self.rows.shape[0], 0
+        grads = []
+        for p in self.params + ([self.W] if self.kind == HC else []):
+            if p.is_floating_point():  # (mHC-lite's permutations: none)
+                size = p[0].numel()
+                grads.append(rows[:, at:at + size].view(p.shape).to(p.dtype).contiguous())  # (autograd keeps it as is)
+                at += size
+        return grads
+
+
 class TritonStreamMix(torch.autograd.Function):
     """StreamMix with the Triton kernels: (h, H', post) of sublayer i from the streams H, the projection
-    W (or None: static HC) and the sublayer's connection parameters, saving XW (a few numbers per
-    token) and no streams; the backward rebuilds the streams from the segment. HC's projection is
-    the kernels' (forward and backward); mHC-lite's is two GEMMs beside them."""
+    W (HC: the stacked (L, C, n + 2), or None (static); mHC-lite: sublayer i's) and the stacked
+    connection parameters, saving XW (a few numbers per token) and no streams; the backward rebuilds
+    the streams from the segment. HC's projection is the kernels' (forward and backward); mHC-lite's is
+    two GEMMs beside them. The parameters' gradients gather in a StreamGrads."""
 
     @staticmethod
-    def forward(ctx, H, W, segment, kind, *params):
-        i = segment.start + len(segment.connections)
+    def forward(ctx, H, W, segment, grads, *params):
+        i, kind = segment.start + len(segment.connections), grads.kind
         if kind == MHC:  # mHC-lite's projection by cuBLAS
             XW = torch.matmul(projected_rows(H, W), W)
-            h, mixed, post, _ = _triton_stream_mix(H, XW, None, list(params), kind, False)
+            h, mixed, post, _ = _triton_stream_mix(H, XW, None, list(params), i, kind, False)
         else:  # HC's by the kernel (static HC: none)
-            h, mixed, post, XW = _triton_stream_mix(H, None, W, list(params), kind, False)
+            h, mixed, post, XW = _triton_stream_mix(H, None, W, list(params), i, kind, False)
             XW = None if W is None else XW
-        segment.connections.append((XW, post.detach(), params))  # (detached: see StreamMix)
+        segment.connections.append((XW, post.detach(), i))  # (detached: see StreamMix)
         ctx.save_for_backward(H if i == segment.start else None, W, XW, *params)
         device = H.device.type
         ctx.autocast = dict(device_type=device, dtype=torch.get_autocast_dtype(device),
                             enabled=torch.is_autocast_enabled(device))
-        ctx.segment, ctx.i, ctx.kind = segment, i, kind
+        ctx.segment, ctx.i, ctx.grads = segment, i, grads
         return h, mixed, post
 
     @staticmethod
     def backward(ctx, grad_h, grad_mixed, grad_post):
         _, W, XW, *params = ctx.saved_tensors
-        H = ctx.segment.streams_at(ctx.i, ctx.autocast)
-        kernel_W = W if ctx.kind == HC else None
-        d_H, d_XW, parts = _triton_stream_mix_backward(H, XW, kernel_W, params, ctx.kind, grad_h, grad_mixed,
-                                                       grad_post)
-        sums, grad_W, n = parts.sum(0), None, H.shape[-2]
-        if ctx.kind == MHC:  # XW = rows W: rows get d_XW W^T, W gets rows^T d_XW
+        H, kind = ctx.segment.streams_at(ctx.i, ctx.autocast), ctx.grads.kind
+        d_H, d_XW, parts = _triton_stream_mix_backward(H, XW, W if kind == HC else None, params, ctx.i, kind,
+                                                       grad_h, grad_mixed, grad_post)
+        ctx.grads.add(ctx.i, parts)
+        grad_W = None
+        if kind == MHC:  # XW = rows W: rows get d_XW W^T, W gets rows^T d_XW
             rows, d_XW = H.reshape(-1, W.shape[0]), d_XW[0].view(-1, W.shape[1])
             d_H.view(-1, W.shape[0]).addmm_(d_XW.to(d_H.dtype), W.t().to(d_H.dtype))
             grad_W = (rows.t() @ d_XW.to(rows.dtype)).to(W.dtype)
-            grads = [sums[:3], sums[3:], None]
-        else:  # [width | depth | s_a, s_b (HC)] and HC's W
-            small = n * (n + 2) + len(params) - 2
-            grads = [sums[:n * (n + 1)].view(n, n + 1), sums[n * (n + 1):n * (n + 2)], *sums[n * (n + 2):small]]
-            if W is not None:
-                grad_W = sums[small:].view(W.shape).to(W.dtype)
-        return d_H, grad_W, None, None, *[g.to(p.dtype) if g is not None else None for g, p in zip(grads, params)]
+        if ctx.i > 0:
+            return d_H, grad_W, None, None, *[None] * len(params)
+        grads = ctx.grads.take()
+        if kind == HC:
+            grad_W = grads.pop()
+        return d_H, grad_W, None, None, *(grads + [None] * (len(params) - len(grads)))
 
 
 # ----------------------------------------------------------------------------- MGR step
