@@ -229,7 +229,7 @@ def depth_mix(queries, bias, sources, backend, prior=None):
     of sources read before, or None -> mixed (m, B, T, C), lse (m, B, T)."""
     prior_mixed, prior_lse = (None, None) if prior is None else prior
     if backend == 'triton':
-        return _triton_depth_mix(queries, bias, list(sources), prior_mixed, prior_lse)
+        return _triton_depth_mix(queries, bias, list(sources), prior_mixed, prior_lse, False)
     return DepthMix.apply(queries, bias, prior_mixed, prior_lse, *sources)
 
 if triton is not None:
@@ -361,7 +361,7 @@ def accumulator(dtype):
 def triton_depth_mix(queries, bias, sources, prior=None):
     """DepthMix in Triton: queries (m, C), bias (m, S) or None, a list of S sources (B, T, C), a prior
     (mixed, lse) or None -> mixed (m, B, T, C), lse (m, B, T) (float32, or float64 for float64 sources)."""
-    return _triton_depth_mix(queries, bias, list(sources), *((None, None) if prior is None else prior))
+    return _triton_depth_mix(queries, bias, list(sources), *((None, None) if prior is None else prior), False)
 
 
 def common_dtype(sources):
@@ -405,13 +405,16 @@ def _mix_dtype(sources, prior_mixed):
 
 @torch.library.custom_op('resroute::depth_mix', mutates_args=())
 def _triton_depth_mix(queries: Tensor, bias: Optional[Tensor], sources: List[Tensor], prior_mixed: Optional[Tensor],
-                      prior_lse: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+                      prior_lse: Optional[Tensor], one: bool) -> Tuple[Tensor, Tensor]:
+    """mixed (m, B, T, C), lse (m, B, T), as DepthMix; one (a single query): (B, T, C), (B, T). The bias:
+    any contiguous tensor of m S numbers (a query's row after another); its gradient has its shape."""
     dtype = _mix_dtype(sources, prior_mixed)
     acc, acc_tl = accumulator(dtype)
     sources, low = readable(sources, dtype)
     (m, C), S, N = queries.shape, len(sources), sources[0].numel() // queries.shape[1]
-    mixed = sources[0].new_empty((m,) + sources[0].shape, dtype=dtype)
-    lse = torch.empty((m,) + sources[0].shape[:-1], device=queries.device, dtype=acc)
+    rows = () if one else (m,)
+    mixed = sources[0].new_empty(rows + sources[0].shape, dtype=dtype)
+    lse = torch.empty(rows + sources[0].shape[:-1], device=queries.device, dtype=acc)
     BT = token_tile(m, C, N)
     _depth_mix_fwd[(triton.cdiv(N, BT),)](source_table(sources, dtype), mixed if low is None else low,
                          queries.contiguous(), bias if bias is None else bias.contiguous(),
@@ -423,10 +426,10 @@ def _triton_depth_mix(queries: Tensor, bias: Optional[Tensor], sources: List[Ten
 
 
 @_triton_depth_mix.register_fake
-def _(queries, bias, sources, prior_mixed, prior_lse):
-    m, shape, dtype = queries.shape[0], sources[0].shape, _mix_dtype(sources, prior_mixed)
-    return (sources[0].new_empty((m,) + shape, dtype=dtype),
-            queries.new_empty((m,) + shape[:-1], dtype=accumulator(dtype)[0]))
+def _(queries, bias, sources, prior_mixed, prior_lse, one):
+    rows, shape, dtype = () if one else queries.shape[:1], sources[0].shape, _mix_dtype(sources, prior_mixed)
+    return (sources[0].new_empty(rows + shape, dtype=dtype),
+            queries.new_empty(rows + shape[:-1], dtype=accumulator(dtype)[0]))
 
 
 @torch.library.custom_op('resroute::depth_mix_backward', mutates_args=())
@@ -448,11 +451,11 @@ def _depth_mix_backward_into(queries, bias, sources, prior_mixed, prior_lse, mix
     grads[s]; -> the queries' gradient, [the bias's] + [the prior's two] where given."""
     sources, low = readable(sources, mixed.dtype)
     acc, acc_tl = accumulator(mixed.dtype)
-    (m, C), S, N = queries.shape, len(sources), mixed[0].numel() // queries.shape[1]
+    (m, C), S, N = queries.shape, len(sources), sources[0].numel() // queries.shape[1]
     BT = token_tile(m, C, N)
     programs = reduction_programs(triton.cdiv(N, BT))
     dq = torch.empty((programs, m, C), device=mixed.device, dtype=acc)
-    db = torch.empty((programs, m, S), device=mixed.device, dtype=acc) if bias is not None else None
+    db = torch.empty((programs,) + bias.shape, device=mixed.device, dtype=acc) if bias is not None else None
     has_prior = prior_mixed is not None
     d_prior = torch.empty_like(prior_mixed) if has_prior else None
     d_prior_lse = torch.empty_like(prior_lse) if has_prior else None
@@ -483,21 +486,34 @@ def _(queries, bias, sources, prior_mixed, prior_lse, mixed, lse, grad_mixed, gr
     return torch.empty_like(queries), [torch.empty_like(v) for v in sources], [torch.empty_like(t) for t in extra]
 
 
+def saved_lse(ctx, lse, one):
+    """The lse a read saves for its backward. A single query's (one) has no reader after the read: it is
+    marked non-differentiable and kept on ctx instead (autograd detaches each output it saves, once when
+    saved and once when unpacked; a tensor without a graph node makes no reference cycle there) -> the
+    lse to save, or None (then ctx.lse)."""
+    ctx.lse = lse if one else None
+    if one:
+        ctx.mark_non_differentiable(lse)
+    return None if one else lse
+
+
 def _depth_mix_setup(ctx, inputs, output):
-    queries, bias, sources, prior_mixed, prior_lse = inputs
-    ctx.save_for_backward(queries, bias, prior_mixed, prior_lse, *output, *sources)
+    queries, bias, sources, prior_mixed, prior_lse, one = inputs
+    mixed, lse = output
+    ctx.save_for_backward(queries, bias, prior_mixed, prior_lse, mixed, saved_lse(ctx, lse, one), *sources)
     ctx.set_materialize_grads(False)  # an unused lse gets no gradient, rather than a tensor of zeros
 
 
 def _depth_mix_grads(ctx, grad_mixed, grad_lse):
     queries, bias, prior_mixed, prior_lse, mixed, lse, *sources = ctx.saved_tensors
+    lse = ctx.lse if lse is None else lse
     if grad_mixed is None:  # only lse was used
         grad_mixed = torch.zeros_like(mixed)
     dq, grads, extra = _triton_depth_mix_backward(queries, bias, sources, prior_mixed, prior_lse, mixed, lse,
                                                   grad_mixed, grad_lse)
     extra = iter(extra)
     db = next(extra) if bias is not None else None
-    return dq, db, grads, next(extra, None), next(extra, None)
+    return dq, db, grads, next(extra, None), next(extra, None), None
 
 
 _triton_depth_mix.register_autograd(_depth_mix_grads, setup_context=_depth_mix_setup)
@@ -517,14 +533,14 @@ class SharedGrads:
     def __init__(self):
         self.seen, self.grads = set(), {}
 
-    def read(self, queries, bias, sources):
-        """As depth_mix(queries, bias, sources, 'triton') -> (mixed, lse)."""
+    def read(self, queries, bias, sources, one=False):
+        """As _triton_depth_mix(queries, bias, sources, None, None, one) -> (mixed, lse)."""
         keys = [id(v) for v in sources]
         if len(set(keys)) < len(keys) or len(other_dtypes(sources, common_dtype(sources))) > 1:
-            return _triton_depth_mix(queries, bias, list(sources), None, None)  # a source twice, or three dtypes
+            return _triton_depth_mix(queries, bias, list(sources), None, None, one)  # a source twice, or three dtypes
         owned = [key not in self.seen for key in keys]
         self.seen.update(keys)
-        return SharedRead.apply(queries, bias, self, keys, owned, *sources)
+        return SharedRead.apply(queries, bias, self, keys, owned, one, *sources)
 
 
 def shared_grads(backend):
@@ -539,9 +555,9 @@ class SharedRead(torch.autograd.Function):
     them first) are returned."""
 
     @staticmethod
-    def forward(ctx, queries, bias, shared, keys, owned, *sources):
-        mixed, lse = _triton_depth_mix(queries, bias, list(sources), None, None)
-        ctx.save_for_backward(queries, bias, mixed, lse, *sources)
+    def forward(ctx, queries, bias, shared, keys, owned, one, *sources):
+        mixed, lse = _triton_depth_mix(queries, bias, list(sources), None, None, one)
+        ctx.save_for_backward(queries, bias, mixed, saved_lse(ctx, lse, one), *sources)
         ctx.shared, ctx.keys, ctx.owned = shared, keys, owned
         ctx.set_materialize_grads(False)  # an unused lse gets no gradient, rather than a tensor of zeros
         return mixed, lse
@@ -549,7 +565,7 @@ class SharedRead(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_mixed, grad_lse):
         queries, bias, mixed, lse, *sources = ctx.saved_tensors
-        grads = ctx.shared.grads
+        lse, grads = ctx.lse if lse is None else lse, ctx.shared.grads
         add = [int(key in grads) for key in ctx.keys]
         for key, v in zip(ctx.keys, sources):
             if key not in grads:  # the last reader of this source, the first to run backward
@@ -558,30 +574,44 @@ class SharedRead(torch.autograd.Function):
             queries, bias, sources, mixed, lse, torch.zeros_like(mixed) if grad_mixed is None else grad_mixed,
             grad_lse, [grads[key] for key in ctx.keys], add)
         owned = [grads.pop(key) if own else None for key, own in zip(ctx.keys, ctx.owned)]
-        return dq, extra[0] if bias is not None else None, None, None, None, *owned
+        return dq, extra[0] if bias is not None else None, None, None, None, None, *owned
 
 
 # ----------------------------------------------------------------------------- the AttnRes family's schedules
 
 def read_many(queries, sources, bias, backend, shared=None):
-    """Phase 1: the queries (m, C) read the same sources in one pass -> m rows (mixed (1, B, T, C),
-    lse (1, B, T)). Split once: indexing row k of the whole tensor would give every row's backward a
-    zero gradient of the whole size. `shared`: a SharedGrads or None."""
+    """Phase 1: the queries (m, C) read the same sources in one pass -> m rows (mixed, lse): (B, T, C),
+    (B, T) for the kernels, (1, B, T, C), (1, B, T) for DepthMix. Split once: indexing row k of the
+    whole tensor would give every row's backward a zero gradient of the whole size. `shared`: a
+    SharedGrads or None."""
     mixed, lse = shared.read(queries, bias, sources) if shared else depth_mix(queries, bias, sources, backend)
+    if backend == 'triton':
+        return list(zip(mixed.unbind(), lse.unbind()))
     return list(zip(mixed.split(1), lse.split(1)))
+
+
+def read_one(query, bias, sources, backend, prior=None, shared=None):
+    """One query (1, C) reads the sources, merged with a prior row (mixed, lse) or through a SharedGrads
+    -> (B, T, C) (the kernels write it so: no view to drop the query dimension, nor its backward)."""
+    if shared:
+        return shared.read(query, bias, sources, one=True)[0]
+    if backend == 'triton':
+        return _triton_depth_mix(query, bias, list(sources), *(prior or (None, None)), True)[0]
+    mixed = depth_mix(query, bias, sources, backend, prior)[0]
+    return mixed.view(mixed.shape[1:])  # (a view, not [0]: indexing would cost a zero tensor and a copy in the backward)
 
 
 def read_on(row, query, more, bias, backend):
     """Phase 2: a phase-1 row (mixed, lse) merged, by an online softmax, with further sources that
     this query (1, C) alone reads (bias (1, S) or None), in the same kernel that reads them -> (B, T, C)."""
-    mixed = depth_mix(query, bias, more, backend, row)[0] if more else row[0]
-    return mixed.view(mixed.shape[1:])  # (a view, not [0]: indexing would cost a zero tensor and a copy in the backward)
+    if more:
+        return read_one(query, bias, more, backend, row)
+    return row[0] if backend == 'triton' else row[0].view(row[0].shape[1:])
 
 
 def read_all(query, sources, bias, backend, shared=None):
     """One query (1, C) reads all the sources (the output mixers) -> (B, T, C)."""
-    mixed = (shared.read(query, bias, sources) if shared else depth_mix(query, bias, sources, backend))[0]
-    return mixed.view(mixed.shape[1:])
+    return read_one(query, bias, sources, backend, shared=shared)
 
 
 def rows_of(queries, start, m):
@@ -785,10 +815,11 @@ def wav_plan(module, L):
     return blocks, pool
 
 
-def detail_biases(module, blocks, readout):
+def detail_biases(module, blocks, readout, backend):
     """Every read's bias, in the order wav() reads (each block's phase 1, its sublayers' phase 2, the
     output mixer), gathered in one indexing of detail_bias padded with a zero column (type -1): one
-    operator forward and a few backward instead of several per read. -> a list of (rows, S) tensors."""
+    operator forward and a few backward instead of several per read. -> a list of (rows, S) tensors
+    (for the kernels, which take the rows one after another, flat: no view per read)."""
     padded = F.pad(module.detail_bias, (1, 0))
     width, index, shapes = padded.shape[1], [], []
 
@@ -800,8 +831,8 @@ def detail_biases(module, blocks, readout):
         for k in range(1, m):
             read([start + k], own[k])
     read([len(padded) - 1], readout)
-    flat = padded.flatten()[on_device(index, padded.device)]
-    return [b.view(shape) for b, shape in zip(flat.split([r * c for r, c in shapes]), shapes)]
+    flat = padded.flatten()[on_device(index, padded.device)].split([r * c for r, c in shapes])
+    return flat if backend == 'triton' else [b.view(shape) for b, shape in zip(flat, shapes)]
 
 
 def accumulate(total, c, u):
@@ -826,7 +857,7 @@ def wav(module, x, sublayers, backend, mgr_fallback_p):
     queries, L = module.read.queries.split(1), len(sublayers)
     blocks, types = wav_plan(module, L)
     readout = types if module.detail_readout else [t for t in types if t < 0]  # conservative: e and block sums
-    biases = iter(detail_biases(module, blocks, readout))
+    biases = iter(detail_biases(module, blocks, readout, backend))
     sources, shared = [x], shared_grads(backend)  # the finished pool
     for start, m, _, own in blocks:
         coeffs = detail_signs(m, module.levels) if module.basis_delta is None else module.basis(m)

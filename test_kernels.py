@@ -714,9 +714,9 @@ OPERATORS = {
     'torch': {'prenorm': (135, 245), 'rezero': (152, 239), 'layerscale': (168, 255), 'attnres': (810, 1256),
               'block_attnres': (682, 962), 'delta_attnres': (728, 1019), 'wav': (1088, 1609), 'hc': (723, 977),
               'mhc_lite': (924, 1399), 'mgr': (817, 727), 'denseformer': (180, 321), 'mudd': (323, 475)},
-    'triton': {'prenorm': (135, 245), 'rezero': (152, 239), 'layerscale': (168, 255), 'attnres': (171, 317),
-               'block_attnres': (171, 317), 'delta_attnres': (218, 331), 'wav': (221, 340), 'hc': (179, 310),
-               'mhc_lite': (212, 355), 'mgr': (176, 281), 'denseformer': (180, 321), 'mudd': (323, 475)},
+    'triton': {'prenorm': (135, 245), 'rezero': (152, 239), 'layerscale': (168, 255), 'attnres': (171, 293),
+               'block_attnres': (171, 293), 'delta_attnres': (218, 311), 'wav': (221, 298), 'hc': (179, 310),
+               'mhc_lite': (212, 355), 'mgr': (176, 265), 'denseformer': (180, 321), 'mudd': (323, 475)},
 }
 
 
