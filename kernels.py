@@ -37,9 +37,9 @@ prenorm's activation memory). The twin keeps only each segment's input streams, 
 updates and connections (a few numbers per token), rebuilds the streams in the backward as the mHC
 paper recomputes its kernels (1.2x), and writes the mixing's and the RMS projection's gradients by
 hand: one batched product per token for the mixing, none of autograd's per-op copies. With Triton,
-a sublayer's step (the streams' RMS, the connections from the projection XW, the mixing) is one
-kernel forward and one backward, the projection's GEMMs beside them; the replay reuses the forward
-kernel on the saved XW.
+a sublayer's step (the streams' RMS, HC's projection XW, the connections from it, the mixing) is one
+kernel forward and one backward (mHC-lite's projection: GEMMs beside them); the replay reuses the
+forward kernel on the saved XW.
 
 MGR step: the gates, the streams' convex update and the next sublayer's AttnPool in one pass over
 the streams. Its backward can rebuild the input streams from the output streams by inverting the
