@@ -1065,7 +1065,9 @@ def mhc_connect(coefficients, i, projected):
 # has a one-kernel backward. Kinds: HC (dynamic), HC static, mHC-lite.
 HC, HC_STATIC, MHC = 0, 1, 2
 STREAM_BC = 256  # columns per pass: the (n + 1, n, BC) products stay small in registers
-STREAM_TILE = 8192  # elements of a program's largest block: (tokens, n + 1, n, BC) or mHC's (tokens, n!, n + 1, n)
+# elements of a program's largest block: (tokens, n + 1, n, BC), HC's projection (tokens, n, BC, n + 2)
+# or mHC's (tokens, n!, n + 1, n)
+STREAM_TILE = 8192
 
 
 def stream_columns(C):
