@@ -903,9 +903,9 @@ def rms_projection(X, W):
 
 class StreamSegment:
     """A run of consecutive sublayers of a multi-stream method (HC, mHC-lite): the streams entering
-    it, each sublayer's connections (A, post; a few numbers per token) and update f(h). Every stream
-    state inside it is rebuilt from these by the forward's own ops: H_{j+1} = A_j^T H_j (rows 1..n)
-    + post_j f_j."""
+    it, each sublayer's connections (a few numbers per token: A and post, or for the kernels XW, from
+    which they compute both again) and update f(h). Every stream state inside it is rebuilt from these
+    by the forward's own ops: H_{j+1} = A_j^T H_j (rows 1..n) + post_j f_j."""
 
     def __init__(self, start, streams, step):
         self.start, self.streams, self.step = start, streams.detach(), step  # step(H, connection, update) -> next H
@@ -1009,7 +1009,7 @@ def streams(coefficients, module, x, sublayers, backend, mgr_fallback_p):
         grads = StreamGrads(kind, params, getattr(connections, 'proj', None))
         projections = unbound() if kind == MHC else [grads.W] * len(sublayers)
         mix = lambda H, i, segment: TritonStreamMix.apply(H, projections[i], segment, grads, *params)
-        step = lambda H, c, u: advance(_triton_stream_mix(H, c[0], None, params, c[2], kind, True)[1], c[1], u)
+        step = lambda H, c, u: advance(*_triton_stream_mix(H, c[0], None, params, c[1], kind, True)[1:3], u)
     else:
         params, projections = list(connections.parameters()), unbound()
         mix = lambda H, i, segment: StreamMix.apply(H, projections[i], segment, connect, *params)
@@ -1157,7 +1157,7 @@ if triton is not None:
 
     @triton.jit
     def _stream_mix_fwd(H, W, XW, P0, P1, P2, P3, OUT_H, OUT_MIXED, OUT_POST, i, stride_t, stride_k, N, n, C, K,
-                        n_perm, eps, KIND: tl.constexpr, PROJECT: tl.constexpr, MIXED_ONLY: tl.constexpr,
+                        n_perm, eps, KIND: tl.constexpr, PROJECT: tl.constexpr, REPLAY: tl.constexpr,
                         ACC: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr, NP1: tl.constexpr, KP: tl.constexpr,
                         PP: tl.constexpr, BC: tl.constexpr):
         t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)  # a tile of BT tokens
@@ -1195,12 +1195,11 @@ if triton is not None:
             mixed = tl.sum(AT[:, :, :, None] * HT[:, None, :, :], axis=2)
             tl.store(OUT_MIXED + t[:, None, None] * n * C + (j[None, :, None] - 1) * C + cols[None, None, :],
                      mixed.to(out), mask=tj & cmask)
-            if not MIXED_ONLY:
+            if not REPLAY:
                 tl.store(OUT_H + t[:, None, None] * C + j[None, :, None] * 0 + cols[None, None, :], mixed.to(out),
                          mask=t0 & cmask)
-        if not MIXED_ONLY:
-            tl.store(OUT_POST + t[:, None] * n + k[None, :], post.to(OUT_POST.dtype.element_ty),
-                     mask=tmask[:, None] & kmask[None, :])
+        tl.store(OUT_POST + t[:, None] * n + k[None, :], post.to(OUT_POST.dtype.element_ty),
+                 mask=tmask[:, None] & kmask[None, :])
 
     @triton.jit
     def _stream_mix_bwd(H, W, XW, P0, P1, P2, P3, G_H, G_MIXED, G_POST, D_H, D_XW, PART, i, stride_t, stride_k, N,
@@ -1361,20 +1360,20 @@ def _stream_args(H, XW, W, params, kind):
 
 @torch.library.custom_op('resroute::stream_mix', mutates_args=())
 def _triton_stream_mix(H: Tensor, XW: Optional[Tensor], W: Optional[Tensor], params: List[Tensor], i: int, kind: int,
-                       mixed_only: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """h (B, T, C), H' (B, T, n, C), post (B, T, n, 1) of sublayer i's HC or mHC-lite step (only H' when
-    mixed_only), and XW (B, T, n, n + 2), which the kernel projects when given HC's W (else a tensor of no
+                       replay: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """h (B, T, C), H' (B, T, n, C), post (B, T, n, 1) of sublayer i's HC or mHC-lite step (the replay:
+    no h, a tensor of no elements), and XW (B, T, n, n + 2), which the kernel projects when given HC's W (else a tensor of no
     elements). params (and HC's W): the stacked parameters (L, ...)."""
     acc, acc_tl = accumulator(H.dtype)
     H3, XW, W, P, (n, C, K, n_perm), blocks = _stream_args(H, XW, W, params, kind)
     N = H3.shape[0]
-    h = H.new_empty(H.shape[:-2] + (C,))
+    h = H.new_empty((0,) if replay else H.shape[:-2] + (C,))
     mixed = H.new_empty(H.shape)
     post = torch.empty(H.shape[:-1] + (1,), device=H.device, dtype=acc)  # a column: advance adds post u as is
     projected = torch.empty(H.shape[:-1] + (K,) if W is not None else (0,), device=H.device, dtype=acc)
     _stream_mix_fwd[(triton.cdiv(N, blocks['BT']),)](H3, W, projected if W is not None else XW, *P, h, mixed, post,
                                                      i, H3.stride(0), H3.stride(1), N, n, C, K, n_perm, RMS_EPS,
-                                                     KIND=kind, PROJECT=W is not None, MIXED_ONLY=mixed_only,
+                                                     KIND=kind, PROJECT=W is not None, REPLAY=replay,
                                                      ACC=acc_tl, KP=next_pow2(K), **blocks)
     return h, mixed, post, projected
 
@@ -1429,30 +1428,33 @@ class Advance(torch.autograd.Function):
 
 class StreamGrads:
     """The gradients of the stacked connection parameters (L, ...) in one forward with the Triton
-    kernels: sublayer i's backward sums its programs' partial sums into row i of one (L, parts) tensor,
-    and sublayer 0, the last to run backward, hands out the parameters' gradients as views of it; the
-    others return None. (Per sublayer one row, where each sublayer's own gradients cost five slices
-    and autograd a stack of L of them per parameter.) A backward that stops short of sublayer 0
+    kernels: sublayer i's backward sums its programs' partial sums into its row (parts,), and sublayer
+    0, the last to run backward, stacks the L rows and hands out the parameters' gradients as slices
+    of them; the others return None. (Per sublayer one sum, where each sublayer's own gradients cost
+    five slices and autograd a stack of L of them per parameter.) A backward that stops short of sublayer 0
     (autograd.grad with inputs inside the model) leaves its rows behind."""
 
     def __init__(self, kind, params, W):
-        self.kind, self.params, self.W, self.rows = kind, params, W, None
+        self.kind, self.params, self.W, self.rows, self.W_t = kind, params, W, {}, None
 
     def add(self, i, parts):
-        if self.rows is None:  # zeros: a sublayer whose backward did not run adds nothing
-            self.rows = parts.new_zeros((self.params[0].shape[0], parts.shape[1]))
-        torch.sum(parts, 0, out=self.rows[i])
+        self.rows[i] = parts.sum(0)
+
+    def transposed(self, i):
+        """W_i^T of mHC-lite's sublayer i (the stack transposed once per backward, not once per sublayer)."""
+        if self.W_t is None:
+            self.W_t = self.W.mT.unbind()
+        return self.W_t[i]
 
     def take(self):
         """The gradients of the parameters (and of HC's W): [width | depth | s_a, s_b | W] or [alpha | bias]."""
-        rows, self.rows, L, at = self.rows, None, self.rows.shape[0], 0
-        grads = []
-        for p in self.params + ([self.W] if self.kind == HC else []):
-            if p.is_floating_point():  # (mHC-lite's permutations: none)
-                size = p[0].numel()
-                grads.append(rows[:, at:at + size].view(p.shape).to(p.dtype).contiguous())  # (autograd keeps it as is)
-                at += size
-        return grads
+        rows, self.rows, self.W_t, L = self.rows, {}, None, self.params[0].shape[0]
+        # (sublayer 0 calls this: its row is there; one whose backward did not run adds nothing)
+        rows = torch.stack([rows[i] if i in rows else torch.zeros_like(rows[0]) for i in range(L)])
+        params = [p for p in self.params + ([self.W] if self.kind == HC else []) if p.is_floating_point()]
+        grads = rows.split([p.numel() // L for p in params], dim=1)  # (mHC-lite's permutations: none)
+        # (autograd keeps a contiguous gradient as it is; a slice it would copy in two operators)
+        return [(g if g.shape == p.shape else g.view(p.shape)).to(p.dtype).contiguous() for g, p in zip(grads, params)]
 
 
 class TritonStreamMix(torch.autograd.Function):
@@ -1465,13 +1467,13 @@ class TritonStreamMix(torch.autograd.Function):
     @staticmethod
     def forward(ctx, H, W, segment, grads, *params):
         i, kind = segment.start + len(segment.connections), grads.kind
-        if kind == MHC:  # mHC-lite's projection by cuBLAS
-            XW = torch.matmul(projected_rows(H, W), W)
+        if kind == MHC:  # mHC-lite's projection by cuBLAS: XW (N, K) of the rows (N, n C)
+            XW = torch.mm(H.reshape(-1, W.shape[0]), W)
             h, mixed, post, _ = _triton_stream_mix(H, XW, None, list(params), i, kind, False)
         else:  # HC's by the kernel (static HC: none)
             h, mixed, post, XW = _triton_stream_mix(H, None, W, list(params), i, kind, False)
             XW = None if W is None else XW
-        segment.connections.append((XW, post.detach(), i))  # (detached: see StreamMix)
+        segment.connections.append((XW, i))  # the replay's kernel computes post again from XW
         ctx.save_for_backward(H if i == segment.start else None, W, XW, *params)
         device = H.device.type
         ctx.autocast = dict(device_type=device, dtype=torch.get_autocast_dtype(device),
@@ -1488,8 +1490,8 @@ class TritonStreamMix(torch.autograd.Function):
         ctx.grads.add(ctx.i, parts)
         grad_W = None
         if kind == MHC:  # XW = rows W: rows get d_XW W^T, W gets rows^T d_XW
-            rows, d_XW = H.reshape(-1, W.shape[0]), d_XW[0].view(-1, W.shape[1])
-            d_H.view(-1, W.shape[0]).addmm_(d_XW.to(d_H.dtype), W.t().to(d_H.dtype))
+            rows, d_XW = H.view(-1, W.shape[0]), d_XW[0]
+            d_H.view(rows.shape).addmm_(d_XW.to(d_H.dtype), ctx.grads.transposed(ctx.i).to(d_H.dtype))
             grad_W = (rows.t() @ d_XW.to(rows.dtype)).to(W.dtype)
         if ctx.i > 0:
             return d_H, grad_W, None, None, *[None] * len(params)

@@ -315,7 +315,7 @@ def test_recomputed_streams_under_bfloat16_autocast(residual, knobs, backend, mo
     mixing, triton_mix, streams_at = kernels.stream_mixing, kernels._triton_stream_mix, kernels.StreamSegment.streams_at
     monkeypatch.setattr(kernels, 'stream_mixing', lambda A, H: seen.append(H.clone()) or mixing(A, H))
     def recorded_triton_mix(H, *args):
-        if not args[-1]:  # the forward's call (mixed_only: the replay's)
+        if not args[-1]:  # the forward's call (replay: the backward's)
             seen.append(H.clone())
         return triton_mix(H, *args)
     monkeypatch.setattr(kernels, '_triton_stream_mix', recorded_triton_mix)
@@ -715,8 +715,8 @@ OPERATORS = {
               'block_attnres': (682, 962), 'delta_attnres': (728, 1019), 'wav': (1088, 1609), 'hc': (723, 977),
               'mhc_lite': (924, 1399), 'mgr': (817, 727), 'denseformer': (180, 321), 'mudd': (323, 475)},
     'triton': {'prenorm': (135, 245), 'rezero': (152, 239), 'layerscale': (168, 255), 'attnres': (171, 293),
-               'block_attnres': (171, 293), 'delta_attnres': (218, 311), 'wav': (221, 298), 'hc': (179, 310),
-               'mhc_lite': (212, 355), 'mgr': (176, 265), 'denseformer': (180, 321), 'mudd': (323, 475)},
+               'block_attnres': (171, 293), 'delta_attnres': (218, 311), 'wav': (221, 298), 'hc': (179, 284),
+               'mhc_lite': (204, 312), 'mgr': (176, 265), 'denseformer': (180, 321), 'mudd': (323, 475)},
 }
 
 
