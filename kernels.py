@@ -110,7 +110,7 @@ def rms_inverse(x, keepdim=False):
     """1 / sqrt(mean(x^2) + eps) over the last dimension, in one pass without a squared copy
     (float32 for half-precision x)."""
     norm = torch.linalg.vector_norm(x, dim=-1, keepdim=keepdim, dtype=torch.float32 if x.element_size() < 4 else x.dtype)
-    return torch.rsqrt(norm.square() / x.shape[-1] + RMS_EPS)
+    return torch.rsqrt(torch.add(RMS_EPS, norm.square(), alpha=1 / x.shape[-1]))  # (eps + |x|^2 / C: one operator)
 
 
 def next_pow2(x):
@@ -138,99 +138,144 @@ def token_tile(m, C, N):
 
 # ----------------------------------------------------------------------------- depth mixing
 
-def weighted_sum(weights, values):
-    """sum_k weights[:, k, ..., None] * values[k]: weights (I, K, B, T), K values (B, T, C) -> (I, B, T, C).
-    einsum('ikbt,kbtc->ibtc') is the same, but on CPU PyTorch runs it as one tiny matmul per token,
-    3-10x slower at our sizes; K fused multiply-adds instead. Out of place, as every forward of an
-    autograd.Function here: an in-place update there makes torch 2.11's compiler drop the backward
-    (see cast); in eager it costs only the allocations."""
-    out = weights[:, 0, ..., None] * values[0]
-    for k in range(1, len(values)):
-        out = out.addcmul(weights[:, k, ..., None], values[k])
-    return out
+def stacked(tensors):
+    """torch.stack, or a view for a single tensor (a stack of one is a copy)."""
+    return torch.stack(tensors) if len(tensors) > 1 else tensors[0].unsqueeze(0)
+
+
+def inverse_rms(values):
+    """1/RMS of each of the values (S, B, T, 1), from their norms (one pass over each)."""
+    norms = stacked([torch.linalg.vector_norm(v, dim=-1, keepdim=True) for v in values])
+    return torch.rsqrt(torch.add(RMS_EPS, norms.square(), alpha=1 / values[0].shape[-1]))  # (eps + |v|^2 / C)
+
+
+def mix_torch(queries, bias, sources, prior_mixed, prior_lse, one, rinv=None):
+    """The depth mix in PyTorch, one source at a time (the sources are never stacked): shaped as
+    _triton_depth_mix's outputs -> mixed, lse (None for one query: no caller merges its read
+    further) and what the backward needs: 1/RMS r (S, B, T, 1), the
+    scores (S, [m,] B, T, 1) and the weights (S, [m,] B, T, 1; one more row, the prior's, after them).
+    Per token the numbers keep a trailing 1, so that they broadcast against the sources (B, T, C) as
+    they are. rinv: the sources' 1/RMS, if known. Out of place, as every forward of an autograd.Function
+    here (see cast)."""
+    values, q = [upcast(v) for v in sources], upcast(queries)
+    (m, C), tokens = q.shape, values[0].shape[:-1]
+    shape = (len(values),) + (() if one else (m,)) + tokens + (1,)
+    rinv = inverse_rms(values) if rinv is None else rinv
+    r = rinv if one else rinv.unsqueeze(1)
+    scores = stacked([torch.mm(q, v.reshape(-1, C).T) for v in values]).view(shape) * r  # q_j . RMSNorm(v_s)
+    if bias is not None:  # any tensor of m S numbers, a query's row after another, as the kernels take it
+        bias = upcast(bias).reshape(m, -1).T.reshape(shape[:len(shape) - len(tokens) - 1] + (1,) * (len(tokens) + 1))
+    logits = scores if bias is None else scores + bias
+    if prior_lse is not None:  # the prior counts as one more source: value prior_mixed, logit prior_lse
+        logits = torch.cat([logits, prior_lse.view((1,) + prior_lse.shape + (1,))])
+        values = values + [upcast(prior_mixed)]
+    if one:  # no one merges a single query's read further: no lse
+        lse, weights = None, torch.softmax(logits, 0)
+    else:
+        lse = torch.logsumexp(logits, 0)
+        weights = torch.exp(logits - lse)
+        lse = lse.squeeze(-1)
+    w = weights.unbind()
+    mixed = w[0] * values[0]
+    for w_s, v in zip(w[1:], values[1:]):
+        mixed = torch.addcmul(mixed, w_s, v)
+    return mixed, lse, (rinv, scores, weights)
+
+
+def mix_torch_backward(queries, bias, sources, prior_mixed, saved, grad_mixed, grad_lse, grads):
+    """mix_torch's backward: each source's gradient in a new tensor (grads[s] None) or added to grads[s]
+    (in the computing precision) -> the queries' gradient, [the bias's] + [the prior's two] where given,
+    and the sources' gradients (grads[s] itself where given). With r_s = 1/RMS(v_s), l_js = r_s v_s.q_j + b_js, w = softmax_s(l),
+    out_j = sum_s w_js v_s and g_j, h_j the gradients of out_j and lse_j: dl_js = w_js (g_j.v_s -
+    g_j.out_j + h_j) and dv_s = sum_j [w_js g_j + dl_js r_s q_j] - (r_s / C) sum_j dl_js r_s v_s.q_j v_s;
+    the prior, a source with a given logit, gets d lse_0 = dl_j0 = w_0 (g.mixed_0 - g.out + h) and
+    d mixed_0 = w_0 g."""
+    rinv, scores, weights = saved
+    g, q, S = upcast(grad_mixed), upcast(queries), len(sources)
+    values = [upcast(v) for v in sources] + ([] if prior_mixed is None else [upcast(prior_mixed)])
+    (m, C), one = q.shape, g.dim() == values[0].dim()
+    N = values[0].numel() // C
+    # g_j . v_s per token: a batch of N (1, C) x (C, m) products (on a CPU faster than a product and a
+    # sum over an (m, B, T, C) temporary)
+    # (the prior of m queries has a row per query: g_j . mixed_0j in a product and a sum)
+    shared = values if one or prior_mixed is None else values[:S]
+    G = g.reshape(-1 if one else m, N, C).permute(1, 2, 0)  # (N, C, m)
+    gv = stacked([torch.bmm(v.reshape(N, 1, C), G) for v in shared])  # (S, N, 1, m)
+    if one:
+        gv = gv.view(weights.shape)
+    else:
+        gv = gv.view(gv.shape[:1] + values[0].shape[:-1] + (m,)).movedim(-1, 1).unsqueeze(-1)
+        if prior_mixed is not None:
+            gv = torch.cat([gv, (g * values[S]).sum(-1, keepdim=True).unsqueeze(0)])
+    g_out = (weights * gv).sum(0)  # g_j . out_j
+    if grad_lse is not None:
+        g_out = g_out - upcast(grad_lse).unsqueeze(-1)  # (g.out - h): dl = w (g.v - (g.out - h))
+    grad_logits = weights * (gv - g_out)  # (the prior's row, if any, last)
+    own = grad_logits if prior_mixed is None else grad_logits[:S]
+    scaled = own * (rinv if one else rinv.unsqueeze(1))  # dl_js r_s
+    along = scaled * scores if one else (scaled * scores).sum(1)
+    along = along * rinv  # (r_s sum_j dl_js r_s v_s.q_j; the 1 / C below)
+    dq, out = None, []
+    g_rows, w, sc, al = (g,) if one else g.unbind(), weights.unbind(), scaled.unbind(), along.unbind()
+    for s, v in enumerate(values[:S]):
+        w_rows, dv, rows = (w[s],) if one else w[s].unbind(), grads[s], range(len(g_rows))
+        if dv is None:
+            dv, rows = w_rows[0] * g_rows[0], rows[1:]
+        for j in rows:
+            dv.addcmul_(w_rows[j], g_rows[j])
+        dv.view(N, C).addmm_(sc[s].view(m, N).T, q)
+        dv.addcmul_(v, al[s], value=-1.0 / C)
+        v = v.reshape(N, C)
+        dq = sc[s].view(m, N) @ v if dq is None else dq.addmm_(sc[s].view(m, N), v)
+        out.append(dv)
+    extra = []
+    if bias is not None:
+        db = own.flatten(1 if one else 2).sum(-1)  # (S, [m])
+        extra.append((db if one else db.T).reshape(bias.shape).to(bias.dtype))
+    if prior_mixed is not None:
+        extra += [(w[S] * g).to(prior_mixed.dtype), grad_logits[S].squeeze(-1)]
+    return dq.to(queries.dtype), extra, out
 
 
 class DepthMix(torch.autograd.Function):
     """m queries read a list of S sources: sum_s softmax_s(q_j . RMSNorm(v_s) + b_js) v_s, with a
-    hand-written backward. queries (m, C), bias (m, S) or None -> mixed (m, B, T, C), lse (m, B, T).
-
-    lse_j = logsumexp_s l_js lets a caller merge more sources later with an online softmax, and a
-    `prior` (mixed_0 (m, B, T, C), lse_0 (m, B, T)) of sources read before is merged here: it counts
-    as one more source with value mixed_0 and logit lse_0 (the AttnRes paper's phase 2 in the same
-    pass). It works one source at a time and saves per-token statistics (1/RMS per source, lse per
-    query: the weights are recomputed in the backward) and references to the sources, never a
-    stacked copy (with plain autograd, Full AttnRes keeps an (S, B, T, C) stack per sublayer: L^2
-    memory; on a CPU, passes over a temporary stack of the sources cost 1.2-5x the time, measured).
-    With r_s = 1/RMS(v_s), l_js = r_s v_s.q_j + b_js, w = softmax_s(l), out_j = sum_s w_js v_s and
-    g_j, h_j the gradients of out_j and lse_j: dl_js = w_js (g_j.v_s - g_j.out_j + h_j), and
-    dv_s = sum_j [w_js g_j + dl_js r_s q_j - dl_js r_s^2 (r_s v_s.q_j) v_s / C]; the prior gets
-    d lse_0 = w_0 (g.mixed_0 - g.out + h) and d mixed_0 = w_0 g."""
+    hand-written backward (mix_torch). queries (m, C), bias (m, S) or None -> mixed (m, B, T, C), lse
+    (m, B, T); one (m = 1): (B, T, C), None. lse_j = logsumexp_s l_js lets a caller merge more
+    sources later with an online softmax, and a `prior` (mixed_0, lse_0) of sources read before is
+    merged here: it counts as one more source with value mixed_0 and logit lse_0 (the AttnRes paper's
+    phase 2 in the same pass). It saves per-token numbers (1/RMS per source; scores and weights per
+    query and source) and references to the sources, never a stacked copy (with plain autograd, Full
+    AttnRes keeps an (S, B, T, C) stack per sublayer: L^2 memory; on a CPU, passes over a temporary
+    stack of the sources cost 1.2-5x the time, measured)."""
 
     @staticmethod
-    def forward(ctx, queries, bias, prior_mixed, prior_lse, *sources):
-        values = [upcast(v) for v in sources]
-        norms = torch.stack([torch.linalg.vector_norm(v, dim=-1) for v in values])  # the rest at once: (S, B, T)
-        rinv = torch.rsqrt(norms.square() / values[0].shape[-1] + RMS_EPS)  # r_s, as rms_inverse
-        scores, logits = DepthMix.logits(queries, bias, values, rinv)
-        lse = torch.logsumexp(logits, dim=1)
-        if prior_lse is not None:
-            lse = torch.logaddexp(lse, prior_lse)
-        weights = torch.exp(logits - lse.unsqueeze(1))
-        mixed = weighted_sum(weights, values)
-        if prior_mixed is not None:
-            mixed = mixed.addcmul(torch.exp(prior_lse - lse).unsqueeze(-1), upcast(prior_mixed))
-        ctx.save_for_backward(queries, bias, prior_mixed, prior_lse, rinv, lse, *sources)
+    def forward(ctx, queries, bias, prior_mixed, prior_lse, one, *sources):
+        mixed, lse, saved = mix_torch(queries, bias, sources, prior_mixed, prior_lse, one)
+        ctx.save_for_backward(queries, bias, prior_mixed, *saved, *sources)
         ctx.set_materialize_grads(False)  # an unused lse gets no gradient, rather than a tensor of zeros
-        return cast(mixed, common_dtype(sources if prior_mixed is None else [*sources, prior_mixed])), lse
-
-    @staticmethod
-    def logits(queries, bias, values, rinv):
-        """The scores q_j . RMSNorm(v_s) and the logits (scores + bias), both (m, S, B, T)."""
-        q = upcast(queries).T
-        scores = rinv * torch.stack([v @ q for v in values]).permute(3, 0, 1, 2)
-        return scores, scores if bias is None else scores + upcast(bias)[:, :, None, None]
+        return cast(mixed, _mix_dtype(sources, prior_mixed)), lse
 
     @staticmethod
     def backward(ctx, grad_mixed, grad_lse):
-        queries, bias, prior_mixed, prior_lse, rinv, lse, *sources = ctx.saved_tensors
+        queries, bias, prior_mixed, *saved = ctx.saved_tensors
+        saved, sources = saved[:3], saved[3:]
         if grad_mixed is None:  # only lse was used
-            grad_mixed = lse.new_zeros((len(queries),) + sources[0].shape)
-        g, q, values = upcast(grad_mixed), upcast(queries), [upcast(v) for v in sources]
-        h = 0 if grad_lse is None else upcast(grad_lse)
-        m, C = q.shape
-        scores, logits = DepthMix.logits(queries, bias, values, rinv)
-        weights = torch.exp(logits - lse.unsqueeze(1))
-        grad_weights = torch.stack([torch.einsum('btc,mbtc->mbt', v, g) for v in values], dim=1)  # g_j . v_s
-        g_out = (weights * grad_weights).sum(1, keepdim=True)  # g_j . out_j
-        if prior_mixed is not None:
-            prior_weight = torch.exp(prior_lse - lse)
-            g_prior = torch.einsum('mbtc,mbtc->mbt', upcast(prior_mixed), g)
-            g_out = g_out + (prior_weight * g_prior).unsqueeze(1)
-            d_lse = prior_weight * (g_prior - g_out[:, 0] + h)
-            grad_prior = (prior_weight.unsqueeze(-1) * g).to(prior_mixed.dtype), d_lse.to(prior_lse.dtype)
-        grad_logits = weights * (grad_weights - g_out + (h if grad_lse is None else h.unsqueeze(1)))
-        scaled = grad_logits * rinv  # dl_js r_s
-        along_value = (scaled * rinv * scores).sum(0) / C
-        grad_queries, grad_values = torch.zeros_like(q), []
-        for s, v in enumerate(values):  # dv_s built in place, one source at a time
-            grad = v * -along_value[s].unsqueeze(-1)
-            for j in range(m):
-                grad.addcmul_(weights[j, s].unsqueeze(-1), g[j])
-            grad.view(-1, C).addmm_(scaled[:, s].reshape(m, -1).T, q)
-            grad_queries.addmm_(scaled[:, s].reshape(m, -1), v.reshape(-1, C))
-            grad_values.append(grad.to(sources[s].dtype))
-        grad_bias = grad_logits.sum(dim=(2, 3)).to(bias.dtype) if bias is not None else None
-        return (grad_queries.to(queries.dtype), grad_bias, *(grad_prior if prior_mixed is not None else (None, None)),
-                *grad_values)
+            grad_mixed = saved[2].new_zeros(saved[2].shape[1:-1] + sources[0].shape[-1:])
+        dq, extra, grads = mix_torch_backward(queries, bias, sources, prior_mixed, saved, grad_mixed, grad_lse,
+                                              [None] * len(sources))
+        extra = iter(extra)
+        return (dq, next(extra) if bias is not None else None, *(next(extra, None), next(extra, None)), None,
+                *[cast(g, v.dtype) for g, v in zip(grads, sources)])
 
 
-def depth_mix(queries, bias, sources, backend, prior=None):
+def depth_mix(queries, bias, sources, backend, prior=None, one=False):
     """m queries (m, C) read S sources (B, T, C), bias (m, S) or None, merged with a prior (mixed, lse)
-    of sources read before, or None -> mixed (m, B, T, C), lse (m, B, T)."""
+    of sources read before, or None -> mixed (m, B, T, C), lse (m, B, T); one (m = 1): (B, T, C), and
+    lse (B, T) from the kernels, None from DepthMix."""
     prior_mixed, prior_lse = (None, None) if prior is None else prior
     if backend == 'triton':
-        return _triton_depth_mix(queries, bias, list(sources), prior_mixed, prior_lse, False)
-    return DepthMix.apply(queries, bias, prior_mixed, prior_lse, *sources)
+        return _triton_depth_mix(queries, bias, list(sources), prior_mixed, prior_lse, one)
+    return DepthMix.apply(queries, bias, prior_mixed, prior_lse, one, *sources)
 
 if triton is not None:
     @triton.jit
@@ -523,57 +568,78 @@ _triton_depth_mix.register_autograd(_depth_mix_grads, setup_context=_depth_mix_s
 
 class SharedGrads:
     """The finished sources of one forward, which every later block's phase-1 read and the output mixer
-    read again (Triton kernels, eager). Each such source has one gradient tensor, which every read's
-    backward kernel adds its share to; the source's first reader, the last of them to run backward
-    (every later read depends on its outputs), hands it to autograd, and the others return None for
-    it, so autograd sums nothing (one sum per later reader and source: WAV at 12 layers, 9.7 operators
-    per sublayer). A backward that stops short of the first readers (autograd.grad with inputs inside
-    the model) leaves shares behind for a second backward through the same graph."""
+    read again (eager). Each such source has one gradient tensor, which every read's backward adds its
+    share to; the source's first reader, the last of them to run backward (every later read depends on
+    its outputs), hands it to autograd, and the others return None for it, so autograd sums nothing
+    (one sum per later reader and source: WAV at 12 layers, 9.7 operators per sublayer with the
+    kernels). A backward that stops short of the first readers (autograd.grad with inputs inside the
+    model) leaves shares behind for a second backward through the same graph."""
 
-    def __init__(self):
-        self.seen, self.grads = set(), {}
+    def __init__(self, backend):
+        self.backend, self.seen, self.grads, self.rinv = backend, set(), {}, {}
+
+    def inverse_rms(self, sources):
+        """The sources' 1/RMS (S, B, T, 1) for the PyTorch twin, each source's computed once per forward."""
+        new = [v for v in sources if id(v) not in self.rinv]
+        if new:
+            self.rinv.update(zip(map(id, new), inverse_rms([upcast(v) for v in new]).unbind()))
+        return stacked([self.rinv[id(v)] for v in sources])
 
     def read(self, queries, bias, sources, one=False):
-        """As _triton_depth_mix(queries, bias, sources, None, None, one) -> (mixed, lse)."""
+        """As depth_mix(queries, bias, sources, backend, one=one) -> (mixed, lse)."""
         keys = [id(v) for v in sources]
-        if len(set(keys)) < len(keys) or len(other_dtypes(sources, common_dtype(sources))) > 1:
-            return _triton_depth_mix(queries, bias, list(sources), None, None, one)  # a source twice, or three dtypes
+        if len(set(keys)) < len(keys) or self.backend == 'triton' and len(other_dtypes(sources, common_dtype(sources))) > 1:
+            return depth_mix(queries, bias, sources, self.backend, one=one)  # a source twice, or three dtypes
         owned = [key not in self.seen for key in keys]
         self.seen.update(keys)
         return SharedRead.apply(queries, bias, self, keys, owned, one, *sources)
 
 
 def shared_grads(backend):
-    """A SharedGrads for one forward's phase-1 reads with the Triton kernels in eager mode, else None
-    (the PyTorch twin's sums cost little on a CPU; compiled, the compiler plans the sums)."""
-    return SharedGrads() if backend == 'triton' and not torch.compiler.is_compiling() else None
+    """A SharedGrads for one forward's phase-1 reads in eager mode, else None (compiled, the compiler
+    plans the sums)."""
+    return None if torch.compiler.is_compiling() else SharedGrads(backend)
 
 
 class SharedRead(torch.autograd.Function):
-    """One depth read of SharedGrads' sources: the custom op forward; backward, the kernel adds each
-    source's share into its shared gradient and the gradients of the sources this read owns (it read
-    them first) are returned."""
+    """One depth read of SharedGrads' sources: forward as depth_mix; backward, each source's share is
+    added into its shared gradient (by the kernel, or in the PyTorch twin's precision) and the
+    gradients of the sources this read owns (it read them first) are returned."""
 
     @staticmethod
     def forward(ctx, queries, bias, shared, keys, owned, one, *sources):
-        mixed, lse = _triton_depth_mix(queries, bias, list(sources), None, None, one)
-        ctx.save_for_backward(queries, bias, mixed, saved_lse(ctx, lse, one), *sources)
+        if shared.backend == 'triton':
+            mixed, lse = _triton_depth_mix(queries, bias, list(sources), None, None, one)
+            ctx.save_for_backward(queries, bias, mixed, saved_lse(ctx, lse, one), *sources)
+        else:
+            mixed, lse, saved = mix_torch(queries, bias, sources, None, None, one, shared.inverse_rms(sources))
+            ctx.save_for_backward(queries, bias, *saved, *sources)
+            mixed = cast(mixed, common_dtype(sources))
         ctx.shared, ctx.keys, ctx.owned = shared, keys, owned
         ctx.set_materialize_grads(False)  # an unused lse gets no gradient, rather than a tensor of zeros
         return mixed, lse
 
     @staticmethod
     def backward(ctx, grad_mixed, grad_lse):
-        queries, bias, mixed, lse, *sources = ctx.saved_tensors
-        lse, grads = ctx.lse if lse is None else lse, ctx.shared.grads
-        add = [int(key in grads) for key in ctx.keys]
-        for key, v in zip(ctx.keys, sources):
-            if key not in grads:  # the last reader of this source, the first to run backward
-                grads[key] = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-        dq, extra = _triton_depth_mix_backward_shared(
-            queries, bias, sources, mixed, lse, torch.zeros_like(mixed) if grad_mixed is None else grad_mixed,
-            grad_lse, [grads[key] for key in ctx.keys], add)
-        owned = [grads.pop(key) if own else None for key, own in zip(ctx.keys, ctx.owned)]
+        grads = ctx.shared.grads
+        if ctx.shared.backend == 'triton':
+            queries, bias, mixed, lse, *sources = ctx.saved_tensors
+            lse = ctx.lse if lse is None else lse
+            add = [int(key in grads) for key in ctx.keys]
+            for key, v in zip(ctx.keys, sources):
+                if key not in grads:  # the last reader of this source, the first to run backward
+                    grads[key] = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+            dq, extra = _triton_depth_mix_backward_shared(
+                queries, bias, sources, mixed, lse, torch.zeros_like(mixed) if grad_mixed is None else grad_mixed,
+                grad_lse, [grads[key] for key in ctx.keys], add)
+        else:
+            queries, bias, rinv, scores, weights, *sources = ctx.saved_tensors
+            if grad_mixed is None:  # only lse was used
+                grad_mixed = weights.new_zeros(weights.shape[1:-1] + sources[0].shape[-1:])
+            dq, extra, shares = mix_torch_backward(queries, bias, sources, None, (rinv, scores, weights),
+                                                   grad_mixed, grad_lse, [grads.get(key) for key in ctx.keys])
+            grads.update(zip(ctx.keys, shares))
+        owned = [cast(grads.pop(key), v.dtype) if own else None for key, own, v in zip(ctx.keys, ctx.owned, sources)]
         return dq, extra[0] if bias is not None else None, None, None, None, None, *owned
 
 
@@ -581,13 +647,11 @@ class SharedRead(torch.autograd.Function):
 
 def read_many(queries, sources, bias, backend, shared=None):
     """Phase 1: the queries (m, C) read the same sources in one pass -> m rows (mixed, lse): (B, T, C),
-    (B, T) for the kernels, (1, B, T, C), (1, B, T) for DepthMix. Split once: indexing row k of the
+    (B, T). Unbound once: indexing row k of the
     whole tensor would give every row's backward a zero gradient of the whole size. `shared`: a
     SharedGrads or None."""
     mixed, lse = shared.read(queries, bias, sources) if shared else depth_mix(queries, bias, sources, backend)
-    if backend == 'triton':
-        return list(zip(mixed.unbind(), lse.unbind()))
-    return list(zip(mixed.split(1), lse.split(1)))
+    return list(zip(mixed.unbind(), lse.unbind()))
 
 
 def read_one(query, bias, sources, backend, prior=None, shared=None):
@@ -595,18 +659,13 @@ def read_one(query, bias, sources, backend, prior=None, shared=None):
     -> (B, T, C) (the kernels write it so: no view to drop the query dimension, nor its backward)."""
     if shared:
         return shared.read(query, bias, sources, one=True)[0]
-    if backend == 'triton':
-        return _triton_depth_mix(query, bias, list(sources), *(prior or (None, None)), True)[0]
-    mixed = depth_mix(query, bias, sources, backend, prior)[0]
-    return mixed.view(mixed.shape[1:])  # (a view, not [0]: indexing would cost a zero tensor and a copy in the backward)
+    return depth_mix(query, bias, sources, backend, prior, one=True)[0]
 
 
 def read_on(row, query, more, bias, backend):
     """Phase 2: a phase-1 row (mixed, lse) merged, by an online softmax, with further sources that
     this query (1, C) alone reads (bias (1, S) or None), in the same kernel that reads them -> (B, T, C)."""
-    if more:
-        return read_one(query, bias, more, backend, row)
-    return row[0] if backend == 'triton' else row[0].view(row[0].shape[1:])
+    return read_one(query, bias, more, backend, row) if more else row[0]
 
 
 def read_all(query, sources, bias, backend, shared=None):
@@ -815,11 +874,11 @@ def wav_plan(module, L):
     return blocks, pool
 
 
-def detail_biases(module, blocks, readout, backend):
+def detail_biases(module, blocks, readout):
     """Every read's bias, in the order wav() reads (each block's phase 1, its sublayers' phase 2, the
     output mixer), gathered in one indexing of detail_bias padded with a zero column (type -1): one
-    operator forward and a few backward instead of several per read. -> a list of (rows, S) tensors
-    (for the kernels, which take the rows one after another, flat: no view per read)."""
+    operator forward and a few backward instead of several per read. -> a list of each read's rows x S
+    numbers, flat (the reads take the rows one after another: no view per read)."""
     padded = F.pad(module.detail_bias, (1, 0))
     width, index, shapes = padded.shape[1], [], []
 
@@ -832,7 +891,7 @@ def detail_biases(module, blocks, readout, backend):
             read([start + k], own[k])
     read([len(padded) - 1], readout)
     flat = padded.flatten()[on_device(index, padded.device)].split([r * c for r, c in shapes])
-    return flat if backend == 'triton' else [b.view(shape) for b, shape in zip(flat, shapes)]
+    return flat
 
 
 def accumulate(total, c, u):
@@ -857,7 +916,7 @@ def wav(module, x, sublayers, backend, mgr_fallback_p):
     queries, L = module.read.queries.split(1), len(sublayers)
     blocks, types = wav_plan(module, L)
     readout = types if module.detail_readout else [t for t in types if t < 0]  # conservative: e and block sums
-    biases = iter(detail_biases(module, blocks, readout, backend))
+    biases = iter(detail_biases(module, blocks, readout))
     sources, shared = [x], shared_grads(backend)  # the finished pool
     for start, m, _, own in blocks:
         coeffs = detail_signs(m, module.levels) if module.basis_delta is None else module.basis(m)
