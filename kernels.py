@@ -1573,7 +1573,7 @@ def _rms_dot(x, query):
     """r = 1/RMS(x) and the score r x.query, per stream and token: x (n, ..., C), query (C,) or (1, C)
     -> (n, ...), (n, ...)."""
     r = rms_inverse(x)
-    return r, r * (x @ query.view(-1))
+    return r, r * torch.mv(x.reshape(-1, x.shape[-1]), query.reshape(-1)).view(r.shape)
 
 
 def mgr_step_torch(streams, u, gate_query, gate_bias, pool_query, competitive, keep):
@@ -1581,22 +1581,25 @@ def mgr_step_torch(streams, u, gate_query, gate_bias, pool_query, competitive, k
     result. streams (n, *tokens, C), u (*tokens, C) (tokens: (B, T), or (N,)); queries (C,) or (1, C)
     already scaled by 1/sqrt(C); gate_bias (1,). Returns new streams, h (*tokens, C), beta and alpha
     (n, *tokens) (float32 for half precision), and the originals of the `keep` largest gates per token
-    (indices (keep, *tokens), streams (keep, *tokens, C)) for the inversion."""
+    (indices (keep, *tokens), streams (keep, *tokens, C)) for the inversion, and for the backward the
+    scores and 1/RMS of both (gates: the input streams, AttnPool: the new ones; (n, *tokens) each)."""
     s, u_wide = upcast(streams), upcast(u)
-    beta = _gates(_rms_dot(s, upcast(gate_query))[1], upcast(gate_bias), competitive)
+    r, z = _rms_dot(s, upcast(gate_query))
+    beta = _gates(z, upcast(gate_bias), competitive)
     new = torch.lerp(s, u_wide, beta.unsqueeze(-1))  # s + beta (u - s)
-    alpha = torch.softmax(_rms_dot(new, upcast(pool_query))[1], dim=0)
+    r2, y = _rms_dot(new, upcast(pool_query))
+    alpha = torch.softmax(y, dim=0)
     h = (alpha.unsqueeze(-1) * new).sum(0)  # (einsum would run one tiny matmul per token on CPU)
     index = beta.topk(keep, dim=0).indices
     kept = streams.gather(0, index.unsqueeze(-1).expand(*index.shape, streams.shape[-1]))
-    return cast(new, streams.dtype), cast(h, u.dtype), beta, alpha, index, kept
+    return cast(new, streams.dtype), cast(h, u.dtype), beta, alpha, index, kept, (r, z, r2, y)
 
 
 def mgr_step_backward_torch(x, u, gate_query, gate_bias, pool_query, beta, alpha, index, kept,
-                            grad_new, grad_h, competitive, invert):
+                            grad_new, grad_h, competitive, invert, scores):
     """Backward of mgr_step_torch. x is the step's output streams when `invert` (the inputs are
     rebuilt from them, the kept originals put back), else its input streams (the outputs are
-    recomputed). Returns the grads of streams, u, gate_query, gate_bias, pool_query, and the
+    recomputed); scores: the forward's (r, z, r2, y). Returns the grads of streams, u, gate_query, gate_bias, pool_query, and the
     (rebuilt) input streams."""
     x, u_wide, b = upcast(x), upcast(u), beta.unsqueeze(-1)
     if invert:
@@ -1606,15 +1609,15 @@ def mgr_step_backward_torch(x, u, gate_query, gate_bias, pool_query, beta, alpha
     else:
         s = x
         new = torch.lerp(s, u_wide, b)
-    C, grad_h = x.shape[-1], upcast(grad_h)
+    (r, z, r2, y), C, grad_h = scores, x.shape[-1], upcast(grad_h)
     # AttnPool: h = sum_j alpha_j s'_j, alpha = softmax(r'_j s'_j.w); in place where a pass is saved
-    r2, y = _rms_dot(new, upcast(pool_query))
     g_alpha = (new * grad_h).sum(-1)
     dy = alpha * (g_alpha - (alpha * g_alpha).sum(0))
     d_new = torch.addcmul(upcast(grad_new), alpha.unsqueeze(-1), grad_h)
-    d_new.addcmul_((dy * r2).unsqueeze(-1), upcast(pool_query)).addcmul_((dy * r2 * r2 * y / C).unsqueeze(-1), new,
-                                                                           value=-1)
-    grad_pool = ((dy * r2).flatten() @ new.flatten(0, -2)).view_as(pool_query)
+    scaled = dy * r2
+    d_new.addcmul_(scaled.unsqueeze(-1), upcast(pool_query)).addcmul_((scaled * r2 * y).unsqueeze(-1), new,
+                                                                      value=-1 / C)
+    grad_pool = torch.mv(new.reshape(-1, C).T, scaled.reshape(-1)).view_as(pool_query)
     # lerp: s' = s + beta (u - s)
     grad_u = (b * d_new).sum(0)
     d_beta = (d_new * (u_wide - s)).sum(-1)
@@ -1623,13 +1626,13 @@ def mgr_step_backward_torch(x, u, gate_query, gate_bias, pool_query, beta, alpha
     if competitive:
         weighted = (beta * d_beta).sum(0)
         dz = beta * (d_beta - weighted)
-        grad_bias = (-(1 - beta.sum(0)) * weighted).sum()
+        grad_bias = ((beta.sum(0) - 1) * weighted).sum()
     else:
         dz = d_beta * beta * (1 - beta)
         grad_bias = dz.sum()
-    r, z = _rms_dot(s, upcast(gate_query))
-    d_s.addcmul_((dz * r).unsqueeze(-1), upcast(gate_query)).addcmul_((dz * r * r * z / C).unsqueeze(-1), s, value=-1)
-    grad_gate = ((dz * r).flatten() @ s.flatten(0, -2)).view_as(gate_query)
+    scaled = dz * r
+    d_s.addcmul_(scaled.unsqueeze(-1), upcast(gate_query)).addcmul_((scaled * r * z).unsqueeze(-1), s, value=-1 / C)
+    grad_gate = torch.mv(s.reshape(-1, C).T, scaled.reshape(-1)).view_as(gate_query)
     return (d_s.to(x.dtype), grad_u.to(u.dtype), grad_gate, grad_bias.reshape(1), grad_pool, s)
 
 
@@ -1809,17 +1812,26 @@ class MGRStep(torch.autograd.Function):
     def forward(ctx, streams, u, gate_query, gate_bias, pool_query, competitive, fallback_p, tape, step, last,
                 backend):
         keep = min(fallback_p, streams.shape[0]) if tape is not None else 0
-        fused = triton_mgr_step if backend == 'triton' else mgr_step_torch
-        new, h, beta, alpha, index, kept = fused(streams, u, gate_query, gate_bias, pool_query, competitive, keep)
+        args = streams, u, gate_query, gate_bias, pool_query, competitive, keep
+        if backend == 'triton':  # (the backward kernel computes the scores again)
+            (new, h, beta, alpha, index, kept), scores = triton_mgr_step(*args), ()
+        else:
+            new, h, beta, alpha, index, kept, scores = mgr_step_torch(*args)
         streams_kept = [streams] if tape is None else [new] if last else []
-        ctx.save_for_backward(u, gate_query, gate_bias, pool_query, beta, alpha, index, kept, *streams_kept)
-        ctx.competitive, ctx.tape, ctx.step, ctx.backend = competitive, tape, step, backend
+        ctx.save_for_backward(u, gate_query, gate_bias, pool_query, beta, alpha, index, kept, *scores, *streams_kept)
+        ctx.competitive, ctx.tape, ctx.step, ctx.backend, ctx.n_scores = competitive, tape, step, backend, len(scores)
         ctx.mark_non_differentiable(beta, alpha, index, kept)
+        ctx.set_materialize_grads(False)  # no tensors of zeros made for those four
         return new, h, beta, alpha, index, kept
 
     @staticmethod
     def backward(ctx, grad_new, grad_h, *_):
         u, gate_query, gate_bias, pool_query, beta, alpha, index, kept, *saved = ctx.saved_tensors
+        scores, saved = saved[:ctx.n_scores], saved[ctx.n_scores:]
+        if grad_new is None:  # (the last step's streams: only its h is read)
+            grad_new = u.new_zeros(beta.shape + u.shape[-1:])
+        if grad_h is None:
+            grad_h = torch.zeros_like(u)
         invert = ctx.tape is not None
         if saved:
             x = saved[0]
@@ -1828,10 +1840,11 @@ class MGRStep(torch.autograd.Function):
         else:
             raise RuntimeError("MGR's inverting backward must start at the last step (each step rebuilds its input "
                                "from the step after); to backpropagate from an inner step use mgr_fallback_p=-1")
-        backward = triton_mgr_step_backward if ctx.backend == 'triton' else mgr_step_backward_torch
-        d_s, d_u, d_gate, d_bias, d_pool, rebuilt = backward(
-            x, u, gate_query, gate_bias, pool_query, beta, alpha, index, kept, grad_new, grad_h,
-            ctx.competitive, invert)
+        args = x, u, gate_query, gate_bias, pool_query, beta, alpha, index, kept, grad_new, grad_h, ctx.competitive, invert
+        if ctx.backend == 'triton':
+            d_s, d_u, d_gate, d_bias, d_pool, rebuilt = triton_mgr_step_backward(*args)
+        else:
+            d_s, d_u, d_gate, d_bias, d_pool, rebuilt = mgr_step_backward_torch(*args, scores)
         if invert:
             ctx.tape[ctx.step - 1] = rebuilt.to(x.dtype)
         return (d_s, d_u, d_gate.to(gate_query.dtype), d_bias.to(gate_bias.dtype), d_pool.to(pool_query.dtype),
@@ -1860,13 +1873,13 @@ def mgr(module, x, sublayers, backend, mgr_fallback_p):
     tape = {} if mgr_fallback_p >= 0 and not torch.compiler.is_compiling() else None  # Python state: eager only
     pool_queries = (module.pool.queries * module.pool.scale).split(1)  # rows (1, C): the reads' and the steps'
     gate_queries, gate_bias = (gates.queries * gates.scale).split(1), gates.bias.split(1)
-    started, streams = [x], None  # s_1 = e, then one stream per update of the accumulation phase
-    h = read_all(pool_queries[0], started, None, backend)
+    started, streams, shared = [x], None, shared_grads(backend)  # s_1 = e, then a stream per update
+    h = read_all(pool_queries[0], started, None, backend, shared)
     for i, f in enumerate(sublayers):
         u = f(h)
         if i < n - 1:  # accumulation phase: the update starts a new stream
             started.append(u)
-            h = read_all(pool_queries[i + 1], started, None, backend)
+            h = read_all(pool_queries[i + 1], started, None, backend, shared)
         else:
             if streams is None:
                 streams = torch.stack(started) if len(started) > 1 else x.unsqueeze(0)
