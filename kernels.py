@@ -150,13 +150,12 @@ def inverse_rms(values):
 
 
 def mix_torch(queries, bias, sources, prior_mixed, prior_lse, one, rinv=None):
-    """The depth mix in PyTorch, one source at a time (the sources are never stacked): shaped as
-    _triton_depth_mix's outputs -> mixed, lse (None for one query: no caller merges its read
-    further) and what the backward needs: 1/RMS r (S, B, T, 1), the
-    scores (S, [m,] B, T, 1) and the weights (S, [m,] B, T, 1; one more row, the prior's, after them).
-    Per token the numbers keep a trailing 1, so that they broadcast against the sources (B, T, C) as
-    they are. rinv: the sources' 1/RMS, if known. Out of place, as every forward of an autograd.Function
-    here (see cast)."""
+    """The depth mix in PyTorch, one source at a time (the sources are never stacked), shaped as
+    _triton_depth_mix's outputs -> mixed, lse (None for one query: no caller merges its read further)
+    and what the backward needs: 1/RMS r (S, B, T, 1), the scores (S, [m,] B, T, 1) and the weights
+    (S, [m,] B, T, 1; the prior's row after them). Per token the numbers keep a trailing 1, so that
+    they broadcast against the sources (B, T, C) as they are. rinv: the sources' 1/RMS, if known.
+    Out of place, as every forward of an autograd.Function here (see cast)."""
     values, q = [upcast(v) for v in sources], upcast(queries)
     (m, C), tokens = q.shape, values[0].shape[:-1]
     shape = (len(values),) + (() if one else (m,)) + tokens + (1,)
@@ -184,9 +183,9 @@ def mix_torch(queries, bias, sources, prior_mixed, prior_lse, one, rinv=None):
 
 def mix_torch_backward(queries, bias, sources, prior_mixed, saved, grad_mixed, grad_lse, grads):
     """mix_torch's backward: each source's gradient in a new tensor (grads[s] None) or added to grads[s]
-    (in the computing precision) -> the queries' gradient, [the bias's] + [the prior's two] where given,
-    and the sources' gradients (grads[s] itself where given). With r_s = 1/RMS(v_s), l_js = r_s v_s.q_j + b_js, w = softmax_s(l),
-    out_j = sum_s w_js v_s and g_j, h_j the gradients of out_j and lse_j: dl_js = w_js (g_j.v_s -
+    (in the computing precision) -> the queries' gradient, [the bias's] + [the prior's two] where
+    given, and the sources' gradients (grads[s] itself where given). With r_s = 1/RMS(v_s),
+    l_js = r_s v_s.q_j + b_js, w = softmax_s(l), out_j = sum_s w_js v_s and g_j, h_j the gradients of out_j and lse_j: dl_js = w_js (g_j.v_s -
     g_j.out_j + h_j) and dv_s = sum_j [w_js g_j + dl_js r_s q_j] - (r_s / C) sum_j dl_js r_s v_s.q_j v_s;
     the prior, a source with a given logit, gets d lse_0 = dl_j0 = w_0 (g.mixed_0 - g.out + h) and
     d mixed_0 = w_0 g."""
@@ -195,12 +194,12 @@ def mix_torch_backward(queries, bias, sources, prior_mixed, saved, grad_mixed, g
     values = [upcast(v) for v in sources] + ([] if prior_mixed is None else [upcast(prior_mixed)])
     (m, C), one = q.shape, g.dim() == values[0].dim()
     N = values[0].numel() // C
-    # g_j . v_s per token: a batch of N (1, C) x (C, m) products (on a CPU faster than a product and a
-    # sum over an (m, B, T, C) temporary)
-    # (the prior of m queries has a row per query: g_j . mixed_0j in a product and a sum)
-    shared = values if one or prior_mixed is None else values[:S]
+    # g_j . v_s per token: a batch of N (1, C) x (C, m) products per source (on a CPU faster than a
+    # product and a sum over an (m, B, T, C) temporary); a prior of m queries (a row per query, not a
+    # source all read) in a product and a sum
+    read_by_all = values if one or prior_mixed is None else values[:S]
     G = g.reshape(-1 if one else m, N, C).permute(1, 2, 0)  # (N, C, m)
-    gv = stacked([torch.bmm(v.reshape(N, 1, C), G) for v in shared])  # (S, N, 1, m)
+    gv = stacked([torch.bmm(v.reshape(N, 1, C), G) for v in read_by_all])  # (S, N, 1, m)
     if one:
         gv = gv.view(weights.shape)
     else:
@@ -1861,8 +1860,8 @@ def mgr_step(streams, u, gate_query, gate_bias, pool_query, competitive, fallbac
 
 def mgr(module, x, sublayers, backend, mgr_fallback_p):
     """MGR with the fused step (gates, convex update, next AttnPool). In the accumulation phase the
-    streams are a list and each AttnPool is one depth read of them (AttnPool is DepthAttention); they
-    are stacked once, where the gated phase begins. The queries are scaled once and split, so that
+    streams are a list and each AttnPool is one depth read of them (AttnPool is DepthAttention;
+    through a SharedGrads, as the AttnRes family's); they are stacked once, where the gated phase begins. The queries are scaled once and split, so that
     each sublayer takes its own without an operator (and its gradient without a full-size zero).
     With mgr_fallback_p >= 0 in eager mode, the steps' backwards invert the lerp, passing the rebuilt
     streams backwards on a tape local to this forward. The plain step (torch, mgr_fallback_p = -1)
