@@ -646,16 +646,15 @@ class SharedRead(torch.autograd.Function):
 
 def read_many(queries, sources, bias, backend, shared=None):
     """Phase 1: the queries (m, C) read the same sources in one pass -> m rows (mixed, lse): (B, T, C),
-    (B, T). Unbound once: indexing row k of the
-    whole tensor would give every row's backward a zero gradient of the whole size. `shared`: a
-    SharedGrads or None."""
+    (B, T). Unbound once: indexing row k of the whole tensor would give every row's backward a zero
+    gradient of the whole size. `shared`: a SharedGrads or None."""
     mixed, lse = shared.read(queries, bias, sources) if shared else depth_mix(queries, bias, sources, backend)
     return list(zip(mixed.unbind(), lse.unbind()))
 
 
 def read_one(query, bias, sources, backend, prior=None, shared=None):
     """One query (1, C) reads the sources, merged with a prior row (mixed, lse) or through a SharedGrads
-    -> (B, T, C) (the kernels write it so: no view to drop the query dimension, nor its backward)."""
+    -> (B, T, C) (both backends write it so: no view to drop the query dimension, nor its backward)."""
     if shared:
         return shared.read(query, bias, sources, one=True)[0]
     return depth_mix(query, bias, sources, backend, prior, one=True)[0]
