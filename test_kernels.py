@@ -427,19 +427,20 @@ def dense_run(residual, knobs, n_layer, backend, dtype=torch.float64, inner=None
     return [out, *torch.autograd.grad(loss, [e, *router.parameters()], allow_unused=inner is not None)]
 
 
-@pytest.mark.parametrize('residual', [pytest.param(r, marks=TRITON_MARKS)
-                                      for r in ('attnres', 'block_attnres', 'delta_attnres', 'wav')])
-def test_shared_source_gradients_equal_the_class_twice_and_from_an_inner_sublayer(residual):
-    """With the Triton kernels a finished source's gradient is one tensor that every later read adds
-    its share to, handed to autograd by the source's first reader (kernels.SharedGrads). In float64
+@pytest.mark.parametrize('backend', ['torch', pytest.param('triton', marks=TRITON_MARKS)])
+@pytest.mark.parametrize('residual', ['attnres', 'block_attnres', 'delta_attnres', 'wav'])
+def test_shared_source_gradients_equal_the_class_twice_and_from_an_inner_sublayer(residual, backend):
+    """In eager mode a finished source's gradient is one tensor that every later read adds its share
+    to, handed to autograd by the source's first reader (kernels.SharedGrads; the PyTorch twin also
+    computes each such source's 1/RMS once). In float64
     (blocks of one layer: each source read by up to five later reads): the output and every gradient
     equal the class's within 1e-10, from the output and from an inner sublayer's input (the later
     reads never run backward), and a retained graph backpropagates again to the same gradients."""
     knobs = {} if residual in ('attnres', 'delta_attnres') else dict(res_block_size=1)
     for inner in (None, 3):
-        got, want = (dense_run(residual, knobs, 3, backend, inner=inner) for backend in ('triton', 'reference'))
+        got, want = (dense_run(residual, knobs, 3, b, inner=inner) for b in (backend, 'reference'))
         assert all((a is None and b is None) or rel_rms(a, b) <= 1e-10 for a, b in zip(got, want)), (residual, inner)
-    assert all(torch.equal(a, b) for a, b in zip(*two_backwards(residual, 'triton', n_layer=3, **knobs)))
+    assert all(torch.equal(a, b) for a, b in zip(*two_backwards(residual, backend, n_layer=3, **knobs)))
 
 
 @pytest.mark.parametrize('residual,knobs', DENSE_VARIANTS)
