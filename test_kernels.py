@@ -469,7 +469,7 @@ def test_dense_states_backpropagate_twice_from_an_inner_sublayer_and_under_autoc
 
 def bfloat16_errors(residual, **overrides):
     """The gradients (all parameters together) under CPU bfloat16 autocast of the PyTorch twin and of
-    the reference, each as relative RMS from the reference's in float32 (one model, two tokens rows)."""
+    the reference, each as relative RMS from the reference's in float32 (a batch of 2 x 16 tokens)."""
     idx = torch.randint(27, (2, 16), generator=torch.Generator().manual_seed(0))
     results = {}
     for backend, bf16 in [('reference', False), ('reference', True), ('torch', True)]:
