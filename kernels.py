@@ -110,7 +110,12 @@ def rms_inverse(x, keepdim=False):
     """1 / sqrt(mean(x^2) + eps) over the last dimension, in one pass without a squared copy
     (float32 for half-precision x)."""
     norm = torch.linalg.vector_norm(x, dim=-1, keepdim=keepdim, dtype=torch.float32 if x.element_size() < 4 else x.dtype)
-    return torch.rsqrt(torch.add(RMS_EPS, norm.square(), alpha=1 / x.shape[-1]))  # (eps + |x|^2 / C: one operator)
+    return rms_inverse_of_norm(norm, x.shape[-1])
+
+
+def rms_inverse_of_norm(norm, C):
+    """1 / sqrt(|x|^2 / C + eps) from the norm |x| of C numbers (eps + |x|^2 / C: one operator)."""
+    return torch.rsqrt(torch.add(RMS_EPS, norm.square(), alpha=1 / C))
 
 
 def next_pow2(x):
@@ -145,8 +150,8 @@ def stacked(tensors):
 
 def inverse_rms(values):
     """1/RMS of each of the values (S, B, T, 1), from their norms (one pass over each)."""
-    norms = stacked([torch.linalg.vector_norm(v, dim=-1, keepdim=True) for v in values])
-    return torch.rsqrt(torch.add(RMS_EPS, norms.square(), alpha=1 / values[0].shape[-1]))  # (eps + |v|^2 / C)
+    return rms_inverse_of_norm(stacked([torch.linalg.vector_norm(v, dim=-1, keepdim=True) for v in values]),
+                               values[0].shape[-1])
 
 
 def mix_torch(queries, bias, sources, prior_mixed, prior_lse, one, rinv=None):
@@ -163,7 +168,7 @@ def mix_torch(queries, bias, sources, prior_mixed, prior_lse, one, rinv=None):
     r = rinv if one else rinv.unsqueeze(1)
     scores = stacked([torch.mm(q, v.reshape(-1, C).T) for v in values]).view(shape) * r  # q_j . RMSNorm(v_s)
     if bias is not None:  # any tensor of m S numbers, a query's row after another, as the kernels take it
-        bias = upcast(bias).reshape(m, -1).T.reshape(shape[:len(shape) - len(tokens) - 1] + (1,) * (len(tokens) + 1))
+        bias = upcast(bias).reshape(m, -1).T.reshape(shape[:1 if one else 2] + (1,) * (len(tokens) + 1))
     logits = scores if bias is None else scores + bias
     if prior_lse is not None:  # the prior counts as one more source: value prior_mixed, logit prior_lse
         logits = torch.cat([logits, prior_lse.view((1,) + prior_lse.shape + (1,))])
@@ -184,12 +189,14 @@ def mix_torch(queries, bias, sources, prior_mixed, prior_lse, one, rinv=None):
 def mix_torch_backward(queries, bias, sources, prior_mixed, saved, grad_mixed, grad_lse, grads):
     """mix_torch's backward: each source's gradient in a new tensor (grads[s] None) or added to grads[s]
     (in the computing precision) -> the queries' gradient, [the bias's] + [the prior's two] where
-    given, and the sources' gradients (grads[s] itself where given). With r_s = 1/RMS(v_s),
-    l_js = r_s v_s.q_j + b_js, w = softmax_s(l), out_j = sum_s w_js v_s and g_j, h_j the gradients of out_j and lse_j: dl_js = w_js (g_j.v_s -
-    g_j.out_j + h_j) and dv_s = sum_j [w_js g_j + dl_js r_s q_j] - (r_s / C) sum_j dl_js r_s v_s.q_j v_s;
-    the prior, a source with a given logit, gets d lse_0 = dl_j0 = w_0 (g.mixed_0 - g.out + h) and
-    d mixed_0 = w_0 g."""
+    given, and the sources' gradients (grads[s] itself where given); grad_mixed None: only lse was
+    used. With r_s = 1/RMS(v_s), l_js = r_s v_s.q_j + b_js, w = softmax_s(l), out_j = sum_s w_js v_s
+    and g_j, h_j the gradients of out_j and lse_j: dl_js = w_js (g_j.v_s - g_j.out_j + h_j) and
+    dv_s = sum_j [w_js g_j + dl_js r_s q_j] - (r_s / C) sum_j dl_js r_s v_s.q_j v_s; the prior, a
+    source with a given logit, gets d lse_0 = dl_j0 = w_0 (g.mixed_0 - g.out + h) and d mixed_0 = w_0 g."""
     rinv, scores, weights = saved
+    if grad_mixed is None:
+        grad_mixed = weights.new_zeros(weights.shape[1:-1] + sources[0].shape[-1:])
     g, q, S = upcast(grad_mixed), upcast(queries), len(sources)
     values = [upcast(v) for v in sources] + ([] if prior_mixed is None else [upcast(prior_mixed)])
     (m, C), one = q.shape, g.dim() == values[0].dim()
@@ -258,8 +265,6 @@ class DepthMix(torch.autograd.Function):
     def backward(ctx, grad_mixed, grad_lse):
         queries, bias, prior_mixed, *saved = ctx.saved_tensors
         saved, sources = saved[:3], saved[3:]
-        if grad_mixed is None:  # only lse was used
-            grad_mixed = saved[2].new_zeros(saved[2].shape[1:-1] + sources[0].shape[-1:])
         dq, extra, grads = mix_torch_backward(queries, bias, sources, prior_mixed, saved, grad_mixed, grad_lse,
                                               [None] * len(sources))
         extra = iter(extra)
@@ -633,8 +638,6 @@ class SharedRead(torch.autograd.Function):
                 grad_lse, [grads[key] for key in ctx.keys], add)
         else:
             queries, bias, rinv, scores, weights, *sources = ctx.saved_tensors
-            if grad_mixed is None:  # only lse was used
-                grad_mixed = weights.new_zeros(weights.shape[1:-1] + sources[0].shape[-1:])
             dq, extra, shares = mix_torch_backward(queries, bias, sources, None, (rinv, scores, weights),
                                                    grad_mixed, grad_lse, [grads.get(key) for key in ctx.keys])
             grads.update(zip(ctx.keys, shares))
