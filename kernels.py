@@ -945,8 +945,8 @@ def wav(module, x, sublayers, backend, mgr_fallback_p):
 # ----------------------------------------------------------------------------- HC and mHC-lite: recomputed streams
 
 def stream_mixing(A, H):
-    """A^T H per token: row 0 the sublayer's input h, rows 1..n the mixed streams H' (..., n+1, C)."""
-    return torch.einsum('...kj,...kc->...jc', A, H)
+    """A^T H per token for streams H (N, n, C): A (N, n, m), or (n, m) for all tokens -> (N, m, C)."""
+    return torch.bmm(A.mT, H) if A.dim() == 3 else torch.matmul(A.mT, H)
 
 
 def advance(mixed, post, update):
@@ -954,18 +954,12 @@ def advance(mixed, post, update):
     return torch.addcmul(mixed, post if post.dim() == mixed.dim() else post.unsqueeze(-1), update.unsqueeze(-2))
 
 
-def rms_projection(X, W):
-    """rms_norm(X) @ W computed as r (X W), r = 1 / sqrt(mean(X^2) + eps) per row: no normalised copy
-    of X. Returns (r, X W r)."""
-    r = rms_inverse(X, keepdim=True)
-    return r, F.linear(X, W.t().contiguous()) * r
-
-
 class StreamSegment:
     """A run of consecutive sublayers of a multi-stream method (HC, mHC-lite): the streams entering
-    it, each sublayer's connections (a few numbers per token: A and post, or for the kernels XW, from
-    which they compute both again) and update f(h). Every stream state inside it is rebuilt from these
-    by the forward's own ops: H_{j+1} = A_j^T H_j (rows 1..n) + post_j f_j."""
+    it, what each sublayer's step saved (a few numbers per token, from which it computes its
+    connections A and post again: HC's T, mHC-lite's H_res, post and 1/RMS, or for the kernels XW)
+    and each update f(h). Every stream state inside it is rebuilt from these by the forward's own
+    ops: H_{j+1} = A_j^T H_j (rows 1..n) + post_j f_j."""
 
     def __init__(self, start, streams, step):
         self.start, self.streams, self.step = start, streams.detach(), step  # step(H, connection, update) -> next H
@@ -984,103 +978,235 @@ class StreamSegment:
         return self.rebuilt.pop(i)
 
 
-def projected_rows(H, W):
-    """The rows that HC normalises and projects (each stream: W has C rows) or mHC-lite (each token's
-    n streams flattened: n C rows)."""
-    return H if W.shape[0] == H.shape[-1] else H.flatten(-2)
+class TorchStreamStep:
+    """The Triton step's PyTorch twin, derivatives by hand, for one forward: the stacked connection
+    parameters (L, ...) in the forms the step computes with, made once without autograd, and the
+    backward's gradient rows, one per sublayer, which sublayer 0 (the last to run backward) turns into
+    the parameters' gradients (each sublayer's own rows through autograd would cost zero-filled
+    full-size gradients and about 70 operators a sublayer). A subclass holds one method's maths:
+    __call__(H, i, saved) -> h, H', post and what the replay and the backward need (a few numbers per
+    token); backward(...) -> d H, its parameter rows into self.rows[i]."""
+
+    def __init__(self, params):
+        self.params, self.rows = params, {}
+
+    def post_again(self, saved, i):
+        """None: Advance saves post."""
+        return None
+
+    def stacked_rows(self):
+        """Each kind of row stacked over the L sublayers (zeros for a sublayer whose backward did not
+        run: a backward from an inner sublayer)."""
+        rows, self.rows, L = self.rows, {}, self.params[0].shape[0]
+        first = next(iter(rows.values()))
+        return [torch.stack([rows[i][k] if i in rows else torch.zeros_like(first[k]) for i in range(L)])
+                for k in range(len(first))]
 
 
-class StreamMix(torch.autograd.Function):
-    """(h, H', post) of sublayer i, saving no streams. Forward: P = rms_norm(X) W of the streams,
-    the connections (A, post) = connect(i, P) (a few numbers per token) and A^T H. Backward: the
-    streams rebuilt by the segment, the mixing's and the projection's gradients by hand, the
-    connections' by autograd through connect, recomputed (P too: it is n + 2 or 2n + n! numbers per
-    token, more than the connections themselves)."""
+class HCStep(TorchStreamStep):
+    """HC in the forms [A | post] = [width | depth] + [s_a .. s_a, s_b] T, T = tanh(P) (n, n + 2) per
+    token, P = rms_norm(H) W per stream. Saves T (as many numbers as A and post); the backward takes
+    1/RMS again from the rebuilt streams."""
+
+    def __init__(self, connections):
+        c = connections
+        super().__init__([c.width, c.depth] + ([c.width_scale, c.depth_scale, c.proj] if c.dynamic else []))
+        with torch.no_grad():
+            self.base, self.W_t = torch.cat([c.width, c.depth.unsqueeze(-1)], -1), None
+            if c.dynamic:
+                L, n = c.depth.shape
+                self.scale = torch.cat([c.width_scale.unsqueeze(1).expand(L, n + 1), c.depth_scale.unsqueeze(1)], 1)
+                # W^T (L, K, C): on a CPU, X W with W's few columns in rows is a 2-3x slower GEMM (likewise d W)
+                self.W_t = c.proj.mT.contiguous()
+                self.W_scaled_t = self.W_t * self.scale.unsqueeze(-1)
+
+    def __call__(self, H, i, saved=None):
+        """h, H', post of sublayer i and (T,) (static HC: ()) for the streams H (N, n, C); the replay
+        gives the forward's saved and takes H' and post only."""
+        (N, n, C), Ap, replay = H.shape, self.base[i], saved is not None
+        if self.W_t is not None:
+            if not replay:
+                saved = (torch.tanh(torch.mm(H.view(-1, C), self.W_t[i].t()).view(N, n, -1) * rms_inverse(H, keepdim=True)),)
+            Ap = torch.addcmul(Ap, saved[0], self.scale[i])
+        mixed = stream_mixing(Ap[..., 1:-1], H)  # H' = A_r^T H
+        if replay:
+            return None, mixed, Ap[..., -1], saved
+        # h = A_m^T H, a product of its own (in one product with H', f would keep all n + 1 rows alive);
+        # post: Advance computes it again (static HC's: a copy)
+        h = stream_mixing(Ap[..., :1], H).view(N, C)
+        return h, mixed, Ap[..., -1].clone() if self.W_t is None else Ap[..., -1], saved or ()
+
+    def post_again(self, saved, i):
+        """A function giving sublayer i's post again from its saved T (Advance's backward: saving post
+        would keep n numbers a token more than the segment's T), or None (static HC)."""
+        return functools.partial(torch.addcmul, self.base[i][:, -1], saved[0][..., -1], self.scale[i][-1]) if saved else None
+
+    def backward(self, H, i, saved, grad_h, grad_mixed, grad_post):
+        (N, n, C), K = H.shape, self.base.shape[-1]
+        G = torch.cat([grad_h.unsqueeze(1), grad_mixed], 1)  # d (A^T H): row 0 h, rows 1..n H'
+        if not saved:  # static: one A and post for all tokens
+            grad_H = torch.matmul(self.base[i][:, :-1], G).to(H.dtype)
+            self.rows[i] = (torch.cat([torch.bmm(H, G.mT).sum(0), grad_post.unsqueeze(-1)], -1),)
+            return grad_H
+        T = saved[0]
+        Ap = torch.addcmul(self.base[i], T, self.scale[i])
+        grad_H = torch.bmm(Ap[..., :-1], G).to(H.dtype)
+        d_Ap = torch.cat([torch.bmm(H, G.mT), grad_post.unsqueeze(-1)], -1).to(T.dtype)  # d [A | post]
+        D = torch.ops.aten.tanh_backward(d_Ap, T)  # d P = scale D: the scale is W_scaled's and d W's
+        r = rms_inverse(H, keepdim=True)
+        Hn = H * r
+        # P = r (H W): d rms_norm(H) = M = D W_scaled^T, and d H = r (M - (Hn . M) Hn / C); the dots
+        # Hn_s . M_s as the diagonal of each token's (n, n) products (on a CPU 2x faster than N n dots)
+        M = torch.mm(D.view(-1, K), self.W_scaled_t[i]).view(N, n, C).to(Hn.dtype)
+        dot = torch.bmm(M, Hn.mT).diagonal(dim1=-2, dim2=-1).unsqueeze(-1)
+        grad_H.addcmul_(M.addcmul_(dot, Hn, value=-1 / C), r)
+        # d [width | depth], d [s_a .. s_b] (the sums of d_Ap T per column: a diagonal of one small GEMM), d W^T / scale
+        self.rows[i] = (d_Ap.sum(0), torch.mm(d_Ap.view(-1, K).t(), T.view(-1, K)).diagonal(),
+                        torch.mm(D.view(-1, K).t().to(Hn.dtype), Hn.view(-1, C)))
+        return grad_H
+
+    def take(self):
+        """The gradients of width, depth (and s_a, s_b, W)."""
+        rows = self.stacked_rows()
+        grads = [rows[0][..., :-1].contiguous(), rows[0][..., -1].contiguous()]
+        if self.W_t is not None:
+            grads += [rows[1][:, :-1].sum(1), rows[1][:, -1].contiguous(),
+                      (rows[2] * self.scale.unsqueeze(-1)).mT.contiguous()]
+        return [g.to(p.dtype) for g, p in zip(grads, self.params)]
+
+
+class MHCStep(TorchStreamStep):
+    """mHC-lite with the alphas per column a = [a_pre .. a_post .. a_res ..] (2n + n!): logits
+    a x' W + b, x' = rms_norm of the flattened streams; H_res = softmax(logits_res) @ permutations.
+    Saves H_res, post and 1/RMS r (n^2 + n + 1 numbers a token); the backward takes the logits again."""
+
+    def __init__(self, coefficients):
+        c = coefficients
+        super().__init__([c.alpha, c.bias, c.proj])
+        L, n, n_perm = c.alpha.shape[0], c.n, c.permutations.shape[0]
+        with torch.no_grad():
+            self.alpha = torch.cat([c.alpha[:, :1].expand(L, n), c.alpha[:, 1:2].expand(L, n),
+                                    c.alpha[:, 2:].expand(L, n_perm)], 1)
+            # (W a)^T (L, K, n C): on a CPU, a GEMM with W^T's rows is 1.7x faster than with W's columns
+            self.bias, self.W, self.W_scaled_t = c.bias.detach(), c.proj.detach(), (c.proj * self.alpha.unsqueeze(1)).mT.contiguous()
+        self.perms, self.split = c.permutations.flatten(1), [n, n, n_perm]
+
+    def logits(self, X, r, i):
+        """x' W and a x' W + b of the flattened streams X (N, n C)."""
+        P = torch.mm(X, self.W[i]) * r
+        return P, torch.addcmul(self.bias[i], P, self.alpha[i])
+
+    def __call__(self, H, i, saved=None):
+        """h, H', post of sublayer i and (H_res, post, r) for the streams H (N, n, C); the replay
+        gives these and only mixes."""
+        if saved is not None:
+            return None, torch.bmm(saved[0], H), saved[1], saved
+        (N, n, C), X = H.shape, H.view(H.shape[0], -1)
+        r = rms_inverse(X, keepdim=True)
+        logits = self.logits(X, r, i)[1]
+        gates = torch.sigmoid(logits[:, :2 * n])  # H_pre, H_post / 2
+        H_res = torch.mm(torch.softmax(logits[:, 2 * n:], -1), self.perms.to(logits.dtype)).view(N, n, n)
+        post = 2 * gates[:, n:]
+        return torch.bmm(gates[:, None, :n], H).view(N, C), torch.bmm(H_res, H), post, (H_res, post, r)
+
+    def backward(self, H, i, saved, grad_h, grad_mixed, grad_post):
+        (H_res, _, r), (N, n, C) = saved, H.shape
+        X = H.view(N, -1)
+        P, logits = self.logits(X, r, i)
+        gates, w = torch.sigmoid(logits[:, :2 * n]), torch.softmax(logits[:, 2 * n:], -1)
+        grad_H = torch.bmm(H_res.mT, grad_mixed).to(H.dtype)
+        grad_H.addcmul_(gates[:, :n, None], grad_h.unsqueeze(1))  # h = H_pre H
+        d_pre = torch.bmm(grad_h.unsqueeze(1), H.mT).view(N, n)  # (a row times H^T: on a CPU 9x faster than H g)
+        d_w = torch.mm(torch.bmm(grad_mixed, H.mT).view(N, -1), self.perms.t().to(grad_mixed.dtype))
+        d_logits = torch.cat([torch.ops.aten.sigmoid_backward(torch.cat([d_pre, 2 * grad_post], -1), gates),
+                              torch.ops.aten._softmax_backward_data(d_w.to(w.dtype), w, -1, w.dtype)], -1)
+        # P = r (X W): d X = r (d_P W^T) - (r^2 / (n C)) (d_P . P) X, d W = X^T (r d_P), d_P = a d_logits (the a
+        # in W_scaled_t and in take()); d_P . P from the per-column products d_logits P, which d a sums too
+        dP_P = d_logits * P
+        G = d_logits * r
+        grad_H.view(N, -1).addmm_(G.to(grad_H.dtype), self.W_scaled_t[i].to(grad_H.dtype))
+        grad_H.view(N, -1).addcmul_(torch.mv(dP_P, self.alpha[i]).unsqueeze(-1) * r.square(), X, value=-1 / (n * C))
+        self.rows[i] = (d_logits.sum(0), dP_P.sum(0), torch.mm(X.t(), G.to(X.dtype)))  # d b, d a per column, d W / a
+        return grad_H
+
+    def take(self):
+        """The gradients of alpha, bias and W."""
+        d_bias, d_alpha, d_W = self.stacked_rows()
+        d_alpha = torch.stack([part.sum(1) for part in d_alpha.split(self.split, 1)], 1)
+        return [g.to(p.dtype) for g, p in zip([d_alpha, d_bias, d_W * self.alpha.unsqueeze(1)], self.params)]
+
+
+def flat_streams(H):
+    """Streams (..., n, C) as (N, n, C)."""
+    return H.view(-1, *H.shape[-2:])
+
+
+class TorchStreamMix(torch.autograd.Function):
+    """(h, H', post) of sublayer i with a TorchStreamStep, saving no streams: the segment keeps what
+    the step saves, from which the backward's replay rebuilds the streams. The step sees the tokens
+    flattened (N, ...): its products are plain (batched) matrix products."""
 
     @staticmethod
-    def forward(ctx, H, W, segment, connect, *params):
+    def forward(ctx, H, segment, step, *params):
         i = segment.start + len(segment.connections)
-        dense = H.contiguous()  # e's n copies are a stride-0 view, kept as such; products with it are slow
-        A, post = connect(i, None if W is None else rms_projection(projected_rows(dense, W), W)[1])
+        # (e's n copies: a stride-0 view, kept as such; the products take a dense copy)
+        h, mixed, post, saved = step(flat_streams(H.contiguous()), i)
         # post.detach(), not the output itself: its grad_fn would hold this ctx, which holds the segment:
         # a cycle through autograd's graph that the garbage collector cannot free (27 MB a step leaked)
-        segment.connections.append((A, post.detach()))
-        # the segment keeps its input streams and the connections; saved here too, so that autograd
-        # checks them for in-place changes and memory accounting sees them
-        ctx.save_for_backward(H if i == segment.start else None, W, A, post, *params)
+        saved = tuple(t.detach() if t is post else t for t in saved)
+        segment.connections.append((saved, i))
+        # saved here too, so that autograd checks them for in-place changes and memory accounting sees them
+        ctx.save_for_backward(H if i == segment.start else None, *saved)
         device = H.device.type
         ctx.autocast = dict(device_type=device, dtype=torch.get_autocast_dtype(device),
                             enabled=torch.is_autocast_enabled(device))
-        ctx.segment, ctx.i, ctx.connect = segment, i, connect
-        mixed = stream_mixing(A, dense)
-        return mixed[..., 0, :].clone(), mixed[..., 1:, :], post  # a copy of h: f would keep all n+1 rows
+        ctx.segment, ctx.i, ctx.step = segment, i, step
+        lead = H.shape[:-2]
+        return h.view(*lead, -1), mixed.view(H.shape), post if post.dim() == 1 else post.view(*lead, -1)
 
     @staticmethod
     def backward(ctx, grad_h, grad_mixed, grad_post):
-        _, W, A, post, *params = ctx.saved_tensors
+        _, *saved = ctx.saved_tensors
         H = ctx.segment.streams_at(ctx.i, ctx.autocast)
-        X, P = None if W is None else projected_rows(H, W), None
+        n, C = H.shape[-2:]
         with torch.autocast(**ctx.autocast):  # the forward's precision for the products
-            if W is not None:
-                r, P = rms_projection(X, W)
-            # mixed = A^T H: row 0 is h, rows 1..n are H'; the sums below in H's precision
-            grad_A = torch.einsum('...kc,...jc->...kj', H, grad_mixed)
-            grad_H = torch.einsum('...kj,...jc->...kc', A[..., 1:], grad_mixed)
-        grad_A = torch.cat([(H * grad_h.unsqueeze(-2)).sum(-1, keepdim=True), grad_A], -1).sum_to_size(A.shape)
-        grad_H = grad_H.to(H.dtype).addcmul_(A[..., :1], grad_h.unsqueeze(-2))
-        leaves = [p for p in params if p.requires_grad]
-        with torch.enable_grad(), torch.autocast(**ctx.autocast):
-            if P is not None:
-                P = P.detach().requires_grad_()
-                leaves.insert(0, P)
-            outputs = ctx.connect(ctx.i, P)
-        grads = torch.autograd.grad(outputs, leaves, [grad_A.to(A.dtype), grad_post.to(post.dtype)], allow_unused=True)
-        grad_W = None
-        if P is not None:  # P = r (X W), r = (mean(X^2) + eps)^-1/2 per row of X
-            (grad_P, *grads), P = grads, P.detach()
-            G = r * grad_P  # X gets G W^T - (r^2 / D) (grad_P . P) X, W gets X^T G
-            grad_X = grad_H.view(X.shape)  # added into grad_H in place
-            grad_X.view(-1, X.shape[-1]).addmm_(G.flatten(0, -2).to(grad_X.dtype), W.t().to(grad_X.dtype))
-            grad_X.addcmul_((grad_P * P).sum(-1, keepdim=True) * r.square(), X, value=-1.0 / X.shape[-1])
-            grad_W = (G.flatten(0, -2).t() @ X.flatten(0, -2).to(G.dtype)).t()
-        grads = iter(grads)
-        return grad_H, grad_W, None, None, *[next(grads) if p.requires_grad else None for p in params]
+            grad_H = ctx.step.backward(flat_streams(H), ctx.i, saved, grad_h.reshape(-1, C), grad_mixed.reshape(-1, n, C),
+                                       grad_post if grad_post.dim() == 1 else grad_post.reshape(-1, n))
+        grads = ctx.step.take() if ctx.i == 0 else [None] * len(ctx.step.params)
+        return grad_H.view(H.shape), None, None, *grads
 
 
 def streams(coefficients, module, x, sublayers, backend, mgr_fallback_p):
     """HC and mHC-lite with the streams rebuilt in the backward instead of saved: the sublayers are
-    cut into segments of about sqrt(L); a segment keeps its input streams, the connections and the
-    updates (which the update's product with post saves anyway), and the backward rebuilds each
-    segment's streams once. `coefficients` names the class's module of connections, whose
-    `connect(i, P)` gives the connections from the projection P = rms_norm(X) @ proj[i]: HC's
-    A = [A_m | A_r] (n, n+1) and post = B as they are, mHC-lite's through mhc_connect.
-    Compiled, compiled_streams runs instead (the compiler plans its own memory)."""
+    cut into segments of about sqrt(L); a segment keeps its input streams, what each step saved for
+    the replay (a few numbers per token) and the updates (which the update's product with post saves
+    anyway), and the backward rebuilds each segment's streams once. `coefficients` names the class's
+    module of connections. Compiled, compiled_streams runs instead (the compiler plans its own memory)."""
     connections = getattr(module, coefficients)
-    connect = connections.connect if coefficients == 'connections' else functools.partial(mhc_connect, connections)
     H = x.unsqueeze(-2).expand(*x.shape[:-1], module.n, x.shape[-1])  # e copied into n streams, as residuals.copies
     if torch.compiler.is_compiling():
-        return compiled_streams(module, connections, connect, H, sublayers)
+        return compiled_streams(module, connections, H, sublayers)
     length = max(1, round(math.sqrt(len(sublayers))))
-    # every sublayer's projection at once: one backward node gathers their gradients (proj[i] would
-    # give each sublayer a full-size zero gradient with one row set)
-    unbound = lambda: connections.proj.unbind() if hasattr(connections, 'proj') else [None] * len(sublayers)
     if backend == 'triton':  # the kernels read sublayer i's rows of the stacked parameters (and of HC's W)
         kind, params = triton_stream_params(connections)
         grads = StreamGrads(kind, params, getattr(connections, 'proj', None))
-        projections = unbound() if kind == MHC else [grads.W] * len(sublayers)
+        # mHC-lite's projections one per sublayer: one backward node gathers their gradients
+        projections = connections.proj.unbind() if kind == MHC else [grads.W] * len(sublayers)
         mix = lambda H, i, segment: TritonStreamMix.apply(H, projections[i], segment, grads, *params)
+        post_again = lambda saved, i: None
         step = lambda H, c, u: advance(*_triton_stream_mix(H, c[0], None, params, c[1], kind, True)[1:3], u)
     else:
-        params, projections = list(connections.parameters()), unbound()
-        mix = lambda H, i, segment: StreamMix.apply(H, projections[i], segment, connect, *params)
-        step = lambda H, c, u: advance(stream_mixing(c[0], H)[..., 1:, :], c[1], u)
+        torch_step = MHCStep(connections) if coefficients == 'coefficients' else HCStep(connections)
+        mix = lambda H, i, segment: TorchStreamMix.apply(H, segment, torch_step, *torch_step.params)
+        step = lambda H, c, u: advance(*torch_step(flat_streams(H), c[1], c[0])[1:3], u.view(-1, u.shape[-1])).view(H.shape)
+        post_again = torch_step.post_again
     for i, f in enumerate(sublayers):
         if i % length == 0:
             segment = StreamSegment(i, H, step)
         h, mixed, post = mix(H, i, segment)
         update = f(h)
         segment.updates.append(update.detach())
-        H = (Advance.apply if backend == 'triton' else advance)(mixed, post, update)
+        H = Advance.apply(mixed, post, update, backend, post_again(*segment.connections[-1]))
     return module.readout(H)
 
 
@@ -1095,22 +1221,19 @@ def triton_stream_params(connections):
     return HC_STATIC, [connections.width, connections.depth]
 
 
-def compiled_streams(module, connections, connect, H, sublayers):
+def compiled_streams(module, connections, H, sublayers):
     """The class's maths for the compiler from the streams H, with the mixing written as n broadcast
     multiply-adds (inductor fuses them with the update into one loop; A^T H would stay a batched
     GEMM of tiny per-token matrices). The compiler plans the memory."""
-    proj = getattr(connections, 'proj', None)
     for i, f in enumerate(sublayers):
-        A, post = connect(i, None if proj is None else rms_projection(projected_rows(H, proj[i]), proj[i])[1])
+        if hasattr(connections, 'permutations'):  # mHC-lite: A = [H_pre | H_res^T] (n, n+1), post = H_post
+            h_pre, post, h_res = connections(i, H)
+            A = torch.cat([h_pre.unsqueeze(-1), h_res.transpose(-1, -2)], -1)
+        else:  # HC: A = [A_m | A_r], post = B
+            A, post = connections(i, H)
         mixed = (A.unsqueeze(-1) * H.unsqueeze(-2)).sum(-3)  # (..., n+1, C): row 0 is h, rows 1..n are H'
         H = advance(mixed[..., 1:, :], post, f(mixed[..., 0, :]))
     return module.readout(H)
-
-
-def mhc_connect(coefficients, i, projected):
-    """mHC-lite: A = [H_pre | H_res^T] (n, n+1), post = H_post."""
-    h_pre, h_post, h_res = coefficients.connect(i, projected)
-    return torch.cat([h_pre.unsqueeze(-1), h_res.transpose(-1, -2)], -1), h_post
 
 
 # ----------------------------------------------------------------------------- HC and mHC-lite: the Triton step
@@ -1472,18 +1595,31 @@ def _triton_advance_backward(grad: Tensor, update: Tensor, post: Tensor) -> Tupl
 
 
 class Advance(torch.autograd.Function):
-    """H' + post^T f(h) (advance) with a one-kernel backward."""
+    """H' + post^T f(h) (advance) with a one-kernel backward (PyTorch: two batched products). With
+    post_again (a function), post is computed again in the backward instead of saved."""
 
     @staticmethod
-    def forward(ctx, mixed, post, update):
-        ctx.save_for_backward(post, update)
+    def forward(ctx, mixed, post, update, backend, post_again=None):
+        ctx.save_for_backward(None if post_again else post, update)
+        ctx.backend, ctx.post_again, ctx.post_shape = backend, post_again, post.shape
         return advance(mixed, post, update)
 
     @staticmethod
     def backward(ctx, grad):
         post, update = ctx.saved_tensors
-        d_update, d_post = _triton_advance_backward(grad, update, post)
-        return grad, d_post, d_update
+        if ctx.post_again:
+            post = ctx.post_again().view(ctx.post_shape)
+        if ctx.backend == 'triton':
+            d_update, d_post = _triton_advance_backward(grad, update, post)
+        elif post.dim() == 1:  # static HC's post (n,), the same for every token
+            d_update = torch.matmul(post.to(grad.dtype), grad)
+            d_post = torch.matmul(grad, update.unsqueeze(-1).to(grad.dtype)).sum_to_size(post.shape + (1,)).squeeze(-1)
+        else:  # d u = sum_s post_s G_s, d post_s = G_s . u per token
+            n, C = grad.shape[-2:]
+            G = grad.reshape(-1, n, C)
+            d_update = torch.bmm(post.reshape(-1, 1, n).to(G.dtype), G).view(update.shape)
+            d_post = torch.bmm(update.reshape(-1, 1, C).to(G.dtype), G.mT).view(post.shape)  # (as a row: 5x faster on a CPU)
+        return grad, d_post, d_update, None, None
 
 
 class StreamGrads:

@@ -281,12 +281,9 @@ class HCConnections(nn.Module):
     def forward(self, i, H):
         """[A_m | A_r] (n, n+1) and B (n,) of sublayer i, per token (B, T, n, n+1) and (B, T, n) when
         dynamic, for the streams H (B, T, n, C)."""
-        return self.connect(i, rms_norm(H) @ self.proj[i] if self.dynamic else None)
-
-    def connect(self, i, projected):
-        """The connections from Hn [W_a | W_b] (B, T, n, n+2), or the static ones for None."""
         width, depth = self.width[i], self.depth[i]
-        if projected is not None:
+        if self.dynamic:
+            projected = rms_norm(H) @ self.proj[i]  # Hn [W_a | W_b] (B, T, n, n+2)
             width = width + self.width_scale[i] * torch.tanh(projected[..., :-1])
             depth = depth + self.depth_scale[i] * torch.tanh(projected[..., -1])
         return width, depth
@@ -345,11 +342,8 @@ class MHCCoefficients(nn.Module):
 
     def forward(self, i, x):
         """H_pre (B, T, n), H_post (B, T, n), H_res (B, T, n, n) of sublayer i for streams x (B, T, n, C)."""
-        return self.connect(i, rms_norm(x.flatten(-2)) @ self.proj[i])
-
-    def connect(self, i, flat):
-        """The coefficients from x' [W_pre | W_post | W_res] (B, T, 2n + n!)."""
         n = self.n
+        flat = rms_norm(x.flatten(-2)) @ self.proj[i]  # x' [W_pre | W_post | W_res] (B, T, 2n + n!)
         a_pre, a_post, a_res = self.alpha[i]
         b = self.bias[i]
         h_pre = torch.sigmoid(a_pre * flat[..., :n] + b[:n])
