@@ -213,10 +213,10 @@ def mix_torch_backward(queries, bias, sources, prior_mixed, saved, grad_mixed, g
         gv = gv.view(gv.shape[:1] + values[0].shape[:-1] + (m,)).movedim(-1, 1).unsqueeze(-1)
         if prior_mixed is not None:
             gv = torch.cat([gv, (g * values[S]).sum(-1, keepdim=True).unsqueeze(0)])
-    g_out = (weights * gv).sum(0)  # g_j . out_j
+    # w (g.v - g.out), g.out = sum_s w_s g.v_s: softmax's backward in one operator; + w h for lse's gradient h
+    grad_logits = torch.ops.aten._softmax_backward_data(gv, weights, 0, weights.dtype)  # (the prior's row, if any, last)
     if grad_lse is not None:
-        g_out = g_out - upcast(grad_lse).unsqueeze(-1)  # (g.out - h): dl = w (g.v - (g.out - h))
-    grad_logits = weights * (gv - g_out)  # (the prior's row, if any, last)
+        grad_logits = torch.addcmul(grad_logits, weights, upcast(grad_lse).unsqueeze(-1))
     own = grad_logits if prior_mixed is None else grad_logits[:S]
     scaled = own * (rinv if one else rinv.unsqueeze(1))  # dl_js r_s
     along = scaled * scores if one else (scaled * scores).sum(1)
@@ -1706,22 +1706,23 @@ def _gates(z, bias, competitive):
     return torch.sigmoid(z + bias)
 
 
-def _rms_dot(x, query):
-    """r = 1/RMS(x) and the score r x.query, per stream and token: x (n, ..., C), query (C,) or (1, C)
-    -> (n, ...), (n, ...)."""
-    r = rms_inverse(x)
+def _rms_dot(x, query, r=None):
+    """r = 1/RMS(x) (unless given) and the score r x.query, per stream and token: x (n, ..., C), query
+    (C,) or (1, C) -> (n, ...), (n, ...)."""
+    r = rms_inverse(x) if r is None else r
     return r, r * torch.mv(x.reshape(-1, x.shape[-1]), query.reshape(-1)).view(r.shape)
 
 
-def mgr_step_torch(streams, u, gate_query, gate_bias, pool_query, competitive, keep):
+def mgr_step_torch(streams, u, gate_query, gate_bias, pool_query, competitive, keep, rinv=None):
     """The fused step in PyTorch: the gates from the input streams, the lerp, the AttnPool of the
     result. streams (n, *tokens, C), u (*tokens, C) (tokens: (B, T), or (N,)); queries (C,) or (1, C)
-    already scaled by 1/sqrt(C); gate_bias (1,). Returns new streams, h (*tokens, C), beta and alpha
-    (n, *tokens) (float32 for half precision), and the originals of the `keep` largest gates per token
-    (indices (keep, *tokens), streams (keep, *tokens, C)) for the inversion, and for the backward the
-    scores and 1/RMS of both (gates: the input streams, AttnPool: the new ones; (n, *tokens) each)."""
+    already scaled by 1/sqrt(C); gate_bias (1,); rinv: the streams' 1/RMS if known (the step before
+    took it for its AttnPool). Returns new streams, h (*tokens, C), beta and alpha (n, *tokens)
+    (float32 for half precision), and the originals of the `keep` largest gates per token (indices
+    (keep, *tokens), streams (keep, *tokens, C)) for the inversion, and for the backward the scores
+    and 1/RMS of both (gates: the input streams, AttnPool: the new ones; (n, *tokens) each)."""
     s, u_wide = upcast(streams), upcast(u)
-    r, z = _rms_dot(s, upcast(gate_query))
+    r, z = _rms_dot(s, upcast(gate_query), rinv)
     beta = _gates(z, upcast(gate_bias), competitive)
     new = torch.lerp(s, u_wide, beta.unsqueeze(-1))  # s + beta (u - s)
     r2, y = _rms_dot(new, upcast(pool_query))
@@ -1739,17 +1740,17 @@ def mgr_step_backward_torch(x, u, gate_query, gate_bias, pool_query, beta, alpha
     recomputed); scores: the forward's (r, z, r2, y). Returns the grads of streams, u, gate_query, gate_bias, pool_query, and the
     (rebuilt) input streams."""
     x, u_wide, b = upcast(x), upcast(u), beta.unsqueeze(-1)
+    kept_share = 1 - b
     if invert:
         new = x
-        s = torch.addcmul(x, b, u_wide, value=-1).div_(1 - b)
+        s = torch.addcmul(x, b, u_wide, value=-1).div_(kept_share)
         s.scatter_(0, index.unsqueeze(-1).expand(*index.shape, x.shape[-1]), upcast(kept))
     else:
         s = x
         new = torch.lerp(s, u_wide, b)
     (r, z, r2, y), C, grad_h = scores, x.shape[-1], upcast(grad_h)
     # AttnPool: h = sum_j alpha_j s'_j, alpha = softmax(r'_j s'_j.w); in place where a pass is saved
-    g_alpha = (new * grad_h).sum(-1)
-    dy = alpha * (g_alpha - (alpha * g_alpha).sum(0))
+    dy = torch.ops.aten._softmax_backward_data((new * grad_h).sum(-1), alpha, 0, alpha.dtype)
     d_new = torch.addcmul(upcast(grad_new), alpha.unsqueeze(-1), grad_h)
     scaled = dy * r2
     d_new.addcmul_(scaled.unsqueeze(-1), upcast(pool_query)).addcmul_((scaled * r2 * y).unsqueeze(-1), new,
@@ -1758,14 +1759,14 @@ def mgr_step_backward_torch(x, u, gate_query, gate_bias, pool_query, beta, alpha
     # lerp: s' = s + beta (u - s)
     grad_u = (b * d_new).sum(0)
     d_beta = (d_new * (u_wide - s)).sum(-1)
-    d_s = d_new.mul_(1 - b)
+    d_s = d_new.mul_(kept_share)
     # gates
-    if competitive:
+    if competitive:  # beta = softmax([b, z])[1:]: d b = sum -p_keep (beta . d_beta), p_keep = 1 - sum beta
         weighted = (beta * d_beta).sum(0)
         dz = beta * (d_beta - weighted)
-        grad_bias = ((beta.sum(0) - 1) * weighted).sum()
+        grad_bias = torch.dot(beta.sum(0).sub_(1).flatten(), weighted.flatten())
     else:
-        dz = d_beta * beta * (1 - beta)
+        dz = torch.ops.aten.sigmoid_backward(d_beta, beta)
         grad_bias = dz.sum()
     scaled = dz * r
     d_s.addcmul_(scaled.unsqueeze(-1), upcast(gate_query)).addcmul_((scaled * r * z).unsqueeze(-1), s, value=-1 / C)
@@ -1947,19 +1948,21 @@ class MGRStep(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, streams, u, gate_query, gate_bias, pool_query, competitive, fallback_p, tape, step, last,
-                backend):
+                backend, rinv):
         keep = min(fallback_p, streams.shape[0]) if tape is not None else 0
         args = streams, u, gate_query, gate_bias, pool_query, competitive, keep
         if backend == 'triton':  # (the backward kernel computes the scores again)
             (new, h, beta, alpha, index, kept), scores = triton_mgr_step(*args), ()
         else:
-            new, h, beta, alpha, index, kept, scores = mgr_step_torch(*args)
+            new, h, beta, alpha, index, kept, scores = mgr_step_torch(*args, rinv)
         streams_kept = [streams] if tape is None else [new] if last else []
         ctx.save_for_backward(u, gate_query, gate_bias, pool_query, beta, alpha, index, kept, *scores, *streams_kept)
         ctx.competitive, ctx.tape, ctx.step, ctx.backend, ctx.n_scores = competitive, tape, step, backend, len(scores)
-        ctx.mark_non_differentiable(beta, alpha, index, kept)
-        ctx.set_materialize_grads(False)  # no tensors of zeros made for those four
-        return new, h, beta, alpha, index, kept
+        # the new streams' 1/RMS, the next step's (PyTorch; exact only where the streams keep its precision)
+        rinv_new = scores[2] if scores and scores[2].dtype == new.dtype else None
+        ctx.mark_non_differentiable(beta, alpha, index, kept, *[] if rinv_new is None else [rinv_new])
+        ctx.set_materialize_grads(False)  # no tensors of zeros made for those
+        return new, h, beta, alpha, index, kept, rinv_new
 
     @staticmethod
     def backward(ctx, grad_new, grad_h, *_):
@@ -1985,15 +1988,17 @@ class MGRStep(torch.autograd.Function):
         if invert:
             ctx.tape[ctx.step - 1] = rebuilt.to(x.dtype)
         return (d_s, d_u, d_gate.to(gate_query.dtype), d_bias.to(gate_bias.dtype), d_pool.to(pool_query.dtype),
-                None, None, None, None, None, None)
+                None, None, None, None, None, None, None)
 
 
-def mgr_step(streams, u, gate_query, gate_bias, pool_query, competitive, fallback_p, tape, step, last, backend):
-    """Fused MGR step: streams (n, B, T, C), u (B, T, C), gate_bias (1,) -> (new streams, h (B, T, C));
-    see MGRStep. The kernels take the tokens' shape as it is: no views around them."""
-    new, h, *_ = MGRStep.apply(streams, u, gate_query, gate_bias, pool_query, competitive, fallback_p, tape, step,
-                               last, backend)
-    return new, h
+def mgr_step(streams, u, gate_query, gate_bias, pool_query, competitive, fallback_p, tape, step, last, backend,
+             rinv=None):
+    """Fused MGR step: streams (n, B, T, C), u (B, T, C), gate_bias (1,) -> (new streams, h (B, T, C),
+    the new streams' 1/RMS for the next step (PyTorch) or None); see MGRStep. The kernels take the
+    tokens' shape as it is: no views around them."""
+    new, h, *_, rinv = MGRStep.apply(streams, u, gate_query, gate_bias, pool_query, competitive, fallback_p, tape,
+                                     step, last, backend, rinv)
+    return new, h, rinv
 
 
 def mgr(module, x, sublayers, backend, mgr_fallback_p):
@@ -2010,7 +2015,7 @@ def mgr(module, x, sublayers, backend, mgr_fallback_p):
     tape = {} if mgr_fallback_p >= 0 and not torch.compiler.is_compiling() else None  # Python state: eager only
     pool_queries = (module.pool.queries * module.pool.scale).split(1)  # rows (1, C): the reads' and the steps'
     gate_queries, gate_bias = (gates.queries * gates.scale).split(1), gates.bias.split(1)
-    started, streams, shared = [x], None, shared_grads(backend)  # s_1 = e, then a stream per update
+    started, streams, rinv, shared = [x], None, None, shared_grads(backend)  # s_1 = e, then a stream per update
     h = read_all(pool_queries[0], started, None, backend, shared)
     for i, f in enumerate(sublayers):
         u = f(h)
@@ -2021,8 +2026,8 @@ def mgr(module, x, sublayers, backend, mgr_fallback_p):
             if streams is None:
                 streams = torch.stack(started) if len(started) > 1 else x.unsqueeze(0)
             j = i - (n - 1)
-            streams, h = mgr_step(streams, u, gate_queries[j], gate_bias[j], pool_queries[i + 1],
-                                  gates.competitive, mgr_fallback_p, tape, i, i == len(sublayers) - 1, backend)
+            streams, h, rinv = mgr_step(streams, u, gate_queries[j], gate_bias[j], pool_queries[i + 1], gates.competitive,
+                                        mgr_fallback_p, tape, i, i == len(sublayers) - 1, backend, rinv)
     return h
 
 
