@@ -34,9 +34,10 @@ stays float64 (the Triton kernels too), so the tests hold every fast path to its
 
 HC and mHC-lite keep n copies of the stream; plain autograd saves them at every sublayer (2.1-2.7x
 prenorm's activation memory). The twin keeps only each segment's input streams, the sublayers'
-updates and connections (a few numbers per token), rebuilds the streams in the backward as the mHC
-paper recomputes its kernels (1.2x), and writes the mixing's and the RMS projection's gradients by
-hand: one batched product per token for the mixing, none of autograd's per-op copies. With Triton,
+updates and what their connections are computed from (a few numbers per token), rebuilds the
+streams in the backward as the mHC paper recomputes its kernels (1.2x), and writes every gradient
+by hand (HCStep, MHCStep): batched products per token for the mixing, none of autograd's per-op
+copies or per-sublayer parameter rows. With Triton,
 a sublayer's step (the streams' RMS, HC's projection XW, the connections from it, the mixing) is one
 kernel forward and one backward (mHC-lite's projection: GEMMs beside them); the replay reuses the
 forward kernel on the saved XW.
