@@ -1026,8 +1026,9 @@ class HCStep(TorchStreamStep):
         gives the forward's saved and takes H' and post only."""
         (N, n, C), Ap, replay = H.shape, self.base[i], saved is not None
         if self.W_t is not None:
-            if not replay:
-                saved = (torch.tanh(torch.mm(H.view(-1, C), self.W_t[i].t()).view(N, n, -1) * rms_inverse(H, keepdim=True)),)
+            if not replay:  # T = tanh(r (H W)), r = 1/RMS per stream
+                P = torch.mm(H.view(-1, C), self.W_t[i].t()).view(N, n, -1) * rms_inverse(H, keepdim=True)
+                saved = (torch.tanh(P),)
             Ap = torch.addcmul(Ap, saved[0], self.scale[i])
         mixed = stream_mixing(Ap[..., 1:-1], H)  # H' = A_r^T H
         if replay:
@@ -1040,7 +1041,9 @@ class HCStep(TorchStreamStep):
     def post_again(self, saved, i):
         """A function giving sublayer i's post again from its saved T (Advance's backward: saving post
         would keep n numbers a token more than the segment's T), or None (static HC)."""
-        return functools.partial(torch.addcmul, self.base[i][:, -1], saved[0][..., -1], self.scale[i][-1]) if saved else None
+        if not saved:
+            return None
+        return functools.partial(torch.addcmul, self.base[i][:, -1], saved[0][..., -1], self.scale[i][-1])
 
     def backward(self, H, i, saved, grad_h, grad_mixed, grad_post):
         (N, n, C), K = H.shape, self.base.shape[-1]
@@ -1089,7 +1092,8 @@ class MHCStep(TorchStreamStep):
             self.alpha = torch.cat([c.alpha[:, :1].expand(L, n), c.alpha[:, 1:2].expand(L, n),
                                     c.alpha[:, 2:].expand(L, n_perm)], 1)
             # (W a)^T (L, K, n C): on a CPU, a GEMM with W^T's rows is 1.7x faster than with W's columns
-            self.bias, self.W, self.W_scaled_t = c.bias.detach(), c.proj.detach(), (c.proj * self.alpha.unsqueeze(1)).mT.contiguous()
+            self.bias, self.W = c.bias.detach(), c.proj.detach()
+            self.W_scaled_t = (c.proj * self.alpha.unsqueeze(1)).mT.contiguous()
         self.perms, self.split = c.permutations.flatten(1), [n, n, n_perm]
 
     def logits(self, X, r, i):
@@ -1171,7 +1175,8 @@ class TorchStreamMix(torch.autograd.Function):
         H = ctx.segment.streams_at(ctx.i, ctx.autocast)
         n, C = H.shape[-2:]
         with torch.autocast(**ctx.autocast):  # the forward's precision for the products
-            grad_H = ctx.step.backward(flat_streams(H), ctx.i, saved, grad_h.reshape(-1, C), grad_mixed.reshape(-1, n, C),
+            grad_H = ctx.step.backward(flat_streams(H), ctx.i, saved, grad_h.reshape(-1, C),
+                                       grad_mixed.reshape(-1, n, C),
                                        grad_post if grad_post.dim() == 1 else grad_post.reshape(-1, n))
         grads = ctx.step.take() if ctx.i == 0 else [None] * len(ctx.step.params)
         return grad_H.view(H.shape), None, None, *grads
@@ -1199,7 +1204,8 @@ def streams(coefficients, module, x, sublayers, backend, mgr_fallback_p):
     else:
         torch_step = MHCStep(connections) if coefficients == 'coefficients' else HCStep(connections)
         mix = lambda H, i, segment: TorchStreamMix.apply(H, segment, torch_step, *torch_step.params)
-        step = lambda H, c, u: advance(*torch_step(flat_streams(H), c[1], c[0])[1:3], u.view(-1, u.shape[-1])).view(H.shape)
+        step = lambda H, c, u: advance(*torch_step(flat_streams(H), c[1], c[0])[1:3],
+                                       u.view(-1, u.shape[-1])).view(H.shape)
         post_again = torch_step.post_again
     for i, f in enumerate(sublayers):
         if i % length == 0:
