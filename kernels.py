@@ -979,6 +979,15 @@ class StreamSegment:
         return self.rebuilt.pop(i)
 
 
+def stack_rows(rows, L):
+    """The gradient rows of a multi-stream backward, a tuple per sublayer i in rows[i], stacked over
+    the L sublayers, one tensor per place in the tuple (zeros for a sublayer whose backward did not
+    run: a backward from an inner sublayer)."""
+    first = next(iter(rows.values()))
+    return [torch.stack([rows[i][k] if i in rows else torch.zeros_like(first[k]) for i in range(L)])
+            for k in range(len(first))]
+
+
 class TorchStreamStep:
     """The Triton step's PyTorch twin, derivatives by hand, for one forward: the stacked connection
     parameters (L, ...) in the forms the step computes with, made once without autograd, and the
@@ -996,12 +1005,9 @@ class TorchStreamStep:
         return None
 
     def stacked_rows(self):
-        """Each kind of row stacked over the L sublayers (zeros for a sublayer whose backward did not
-        run: a backward from an inner sublayer)."""
-        rows, self.rows, L = self.rows, {}, self.params[0].shape[0]
-        first = next(iter(rows.values()))
-        return [torch.stack([rows[i][k] if i in rows else torch.zeros_like(first[k]) for i in range(L)])
-                for k in range(len(first))]
+        """The rows of this backward stacked (stack_rows), and taken."""
+        rows, self.rows = self.rows, {}
+        return stack_rows(rows, self.params[0].shape[0])
 
 
 class HCStep(TorchStreamStep):
@@ -1641,7 +1647,7 @@ class StreamGrads:
         self.kind, self.params, self.W, self.rows, self.W_t = kind, params, W, {}, None
 
     def add(self, i, parts):
-        self.rows[i] = parts.sum(0)
+        self.rows[i] = (parts.sum(0),)
 
     def transposed(self, i):
         """W_i^T of mHC-lite's sublayer i (the stack transposed once per backward, not once per sublayer)."""
@@ -1652,8 +1658,7 @@ class StreamGrads:
     def take(self):
         """The gradients of the parameters (and of HC's W): [width | depth | s_a, s_b | W] or [alpha | bias]."""
         rows, self.rows, self.W_t, L = self.rows, {}, None, self.params[0].shape[0]
-        # (sublayer 0 calls this: its row is there; one whose backward did not run adds nothing)
-        rows = torch.stack([rows[i] if i in rows else torch.zeros_like(rows[0]) for i in range(L)])
+        rows, = stack_rows(rows, L)
         params = [p for p in self.params + ([self.W] if self.kind == HC else []) if p.is_floating_point()]
         grads = rows.split([p.numel() // L for p in params], dim=1)  # (mHC-lite's permutations: none)
         # (autograd keeps a contiguous gradient as it is; a slice it would copy in two operators)
