@@ -5,7 +5,7 @@ Run a grid of experiments over seeds, keep each run's result, and compare the me
     python sweep.py cpu_methods --report      # table and plot from results/cpu_methods/*.json, no training
     python sweep.py char --print              # the commands, one per line, for a cluster scheduler
 
-A grid is base configs x variants x seeds; each run is `python train.py CONFIG... VARIANT... --seed=S
+A grid is base configs x variants x seeds (or a list of such products); each run is `python train.py CONFIG... VARIANT... --seed=S
 --out_dir=RUNS/GRID/NAME` (RUNS = --runs_dir, default runs/). When a run has finished, its final
 metrics, validation curve and wall time go to RESULTS/GRID/NAME.json (--results_dir, default
 results/): small files to commit, from which --report rebuilds the table and the plot.
@@ -39,11 +39,20 @@ FINEWEB_VARIANTS = [['--residual=prenorm'], ['--residual=mhc_lite'], ['--residua
                     ['--residual=attnres']] + [['--residual=mgr', f'--mgr_gate={gate}', f'--mgr_streams={n}']
                                                for n in (4, 8) for gate in ('independent', 'competitive')]
 GRIDS = {
-    # the CPU depth trend: prenorm, block_attnres and wav at 48, 24 and 12 layers of width 64, three seeds.
-    # Deepest first: the long runs start early and the short ones fill in, so both jobs end together.
-    'cpu_depth': dict(configs=[['config/cpu_depth.py', f'--n_layer={n}'] for n in (48, 24, 12)],
-                      variants=[[f'--residual={r}'] for r in ('prenorm', 'block_attnres', 'wav')],
-                      seeds=[0, 1, 2]),
+    # the CPU depth trend: prenorm, block_attnres and wav at 48, 24 and 12 layers of width 64, three seeds, then
+    # (in the order of what each decides) WAV against Block AttnRes at 48 layers to eight seeds, the dense
+    # baselines at 12 and 24 layers, then at 48, then WAV against Block AttnRes at 24 layers to eight seeds.
+    # Deepest first within each part: the long runs start early and the short ones fill in.
+    'cpu_depth': [dict(configs=[['config/cpu_depth.py', f'--n_layer={n}'] for n in (48, 24, 12)],
+                       variants=[[f'--residual={r}'] for r in ('prenorm', 'block_attnres', 'wav')], seeds=[0, 1, 2]),
+                  dict(configs=[['config/cpu_depth.py', '--n_layer=48']],
+                       variants=[['--residual=block_attnres'], ['--residual=wav']], seeds=[3, 4, 5, 6, 7]),
+                  dict(configs=[['config/cpu_depth.py', f'--n_layer={n}'] for n in (24, 12)],
+                       variants=[['--residual=mudd'], ['--residual=denseformer']], seeds=[0, 1, 2]),
+                  dict(configs=[['config/cpu_depth.py', '--n_layer=48']],
+                       variants=[['--residual=mudd'], ['--residual=denseformer']], seeds=[0, 1, 2]),
+                  dict(configs=[['config/cpu_depth.py', '--n_layer=24']],
+                       variants=[['--residual=block_attnres'], ['--residual=wav']], seeds=[3, 4, 5, 6, 7])],
     # the learning rate of cpu_methods: prenorm and block_attnres at four rates, one seed
     'cpu_lr': dict(configs=[['config/cpu_methods.py']],
                    variants=[[f'--residual={r}', f'--learning_rate={lr}', f'--min_lr={lr / 10:g}']
@@ -90,7 +99,13 @@ def arg_name(arg):
 
 
 def runs_of(grid, runs_dir):
+    """A grid's runs in order: a grid is one product of configs x variants x seeds, or a list of them."""
     spec = GRIDS[grid]
+    for part in spec if isinstance(spec, list) else [spec]:
+        yield from product_runs(grid, part, runs_dir)
+
+
+def product_runs(grid, spec, runs_dir):
     for config in spec['configs']:
         for variant in spec['variants']:
             for seed in spec['seeds']:
