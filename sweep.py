@@ -346,9 +346,10 @@ def report(grid, runs_dir, results_dir):
             if ref not in row['versus']:
                 cells.append('-')
                 continue
-            diff, half, _ = row['versus'][ref]
+            diff, half, n = row['versus'][ref]
             ci = f" +- {half:.4f}" if half is not None else ''
-            cells.append(f"{diff:+.4f}{ci} ({verdict(diff, half)})")
+            fewer = f", {n} paired seeds" if n < len(values) else ''  # the seeds both have, where the reference has fewer
+            cells.append(f"{diff:+.4f}{ci} ({verdict(diff, half)}{fewer})")
         if ratios:
             cells.append(f"{ratios[row['method']]:.2f}" if row['method'] in ratios else '-')
             at_time, to_loss = timed.get((row['group'], row['method']), (None, None))

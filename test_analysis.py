@@ -240,3 +240,28 @@ def test_activations_of_silent_sublayers_are_the_embedding_at_every_depth():
     e = model.transformer.wte(idx) + model.transformer.wpe(torch.arange(16))
     assert stats['rms'] == pytest.approx([e.pow(2).mean().sqrt().item()] * 6, rel=1e-6)
     assert stats['max_abs'] == pytest.approx([e.abs().max().item()] * 6, rel=1e-6)
+
+
+def test_a_grid_of_several_products_runs_in_their_order_and_pairs_over_the_seeds_both_have(tmp_path, monkeypatch):
+    """A grid may extend some methods' seeds: its runs come part by part, and a method with more seeds
+    than its reference is paired over the seeds both have, which the report says."""
+    monkeypatch.setitem(sweep.GRIDS, 'fake', [
+        dict(configs=[['c.py']], variants=[['--residual=prenorm'], ['--residual=wav']], seeds=[0, 1, 2]),
+        dict(configs=[['c.py']], variants=[['--residual=wav']], seeds=[3, 4])])
+    runs = list(sweep.runs_of('fake', str(tmp_path / 'runs')))
+    assert [(r['method'], r['seed']) for r in runs] == [('prenorm', s) for s in range(3)] + [('wav', s) for s in range(5)]
+    folder = tmp_path / 'results' / 'fake'
+    folder.mkdir(parents=True)
+    finals = {('prenorm', s): 2.0 + 0.01 * s for s in range(3)} | {('wav', s): 1.9 + 0.02 * s for s in range(5)}
+    for (method, seed), loss in finals.items():
+        result = dict(grid='fake', group='c', method=method, seed=seed, args=[], wall_s=1.0,
+                      final={'iter': 100, 'val_loss': loss}, curve={'0': 3.0, '100': loss})
+        (folder / f'c-{method}-seed{seed}.json').write_text(json.dumps(result))
+    markdown = sweep.report('fake', str(tmp_path / 'runs'), str(tmp_path / 'results'))
+    wav = next(line for line in markdown.splitlines() if '| wav |' in line)
+    diffs = [finals['wav', s] - finals['prenorm', s] for s in range(3)]  # -0.1, -0.09, -0.08
+    half = 4.303 * np.std(diffs, ddof=1) / math.sqrt(3)
+    assert f"| 5 | {np.mean([finals['wav', s] for s in range(5)]):.4f}" in wav
+    assert f"{np.mean(diffs):+.4f} +- {half:.4f} (lower, 3 paired seeds)" in wav
+    prenorm = next(line for line in markdown.splitlines() if '| prenorm |' in line)
+    assert 'paired seeds' not in prenorm  # prenorm's 3 seeds are all paired
