@@ -5,7 +5,7 @@ Datasets as flat token files (numpy memmaps) with JSON metadata, prepared once u
     data_dir/NAME/meta.json                         vocabulary and facts (never pickle)
     data_dir/downloads/                             the downloaded files
 
-    python data.py NAME [--source=PATH] [--data_dir=DIR] [--shards=N]
+    python data.py NAME [--source=PATH] [--data_dir=DIR] [--shards=N] [--max_chars=N]
 
 NAME:
     pydoc        the embedded default: the Python documentation's topic texts, shipped with every
@@ -17,6 +17,9 @@ NAME:
 
 --source prepares from a local file (or folder) instead of the download, for offline machines; a
 prepared dataset is prepared again when --source names another file than the one it came from.
+--max_chars=N (text8 only) keeps the first N characters of text8 and splits them 90/5/5 the same
+way: the CPU studies' slice is `python data.py text8 --max_chars=3010294`, its first 3,010,294
+characters, checked against their sha256 (TEXT8_SLICE_SHA256).
 text8 is a plain download (a .part file that a rerun resumes, size- and md5-checked); TinyStories
 and FineWeb come from the Hugging Face Hub through huggingface_hub (resumable, cached, size-checked,
 honouring HF_ENDPOINT mirrors and HF_TOKEN). train.py downloads text8 (31 MB) when it is missing,
@@ -46,6 +49,8 @@ TEXT8_ZIP_BYTES = 31_344_016
 TEXT8_CHARS = 100_000_000
 TEXT8_MD5 = '3bea1919949baf155f99411df5fada7e'  # of the unzipped text
 TEXT8_VOCAB = ' abcdefghijklmnopqrstuvwxyz'
+TEXT8_SLICE_CHARS = 3_010_294  # the CPU studies' slice (config/cpu_*.py): this prefix of text8
+TEXT8_SLICE_SHA256 = 'f3413b8d00bc41ef9dda3f92d1c7d028545d385ed476e518fdb0491f57e5a137'
 
 TINYSTORIES_REPO = 'roneneldan/TinyStories'  # a dataset on the Hugging Face Hub
 TINYSTORIES_FILES = {'train': ('TinyStoriesV2-GPT4-train.txt', 2_227_753_162),
@@ -206,28 +211,58 @@ def prepare_local_file(path, out_dir):
         prepare_char_text(decode_text(f.read(), path), out_dir, source=os.path.abspath(path))
 
 
-def prepare_text8(out_dir, data_dir, source):
-    """The standard split: first 90M characters train, next 5M val, last 5M test. Another size
-    (e.g. a slice) is split in the same proportions, with a warning."""
-    path = source or download(TEXT8_URL, os.path.join(data_dir, 'downloads', 'text8.zip'), TEXT8_ZIP_BYTES, 'text8')
+def read_text8(path):
+    """The bytes of text8: the file 'text8' of a zip, or a plain text file."""
     if zipfile.is_zipfile(path):
         with zipfile.ZipFile(path) as z:
             if 'text8' not in z.namelist():
                 raise DataError(f"{path} holds {z.namelist()[:5]}, not the file 'text8'")
-            raw = z.read('text8')
-    else:
-        with open(path, 'rb') as f:
-            raw = f.read()
-    tokens, vocab = char_tokenize(decode_text(raw, path), list(TEXT8_VOCAB))
-    if len(raw) != TEXT8_CHARS or hashlib.md5(raw).hexdigest() != TEXT8_MD5:
-        if not source:
-            raise DataError(f"{path} does not unzip to the canonical text8 (md5 {TEXT8_MD5}); delete it and run again")
+            return z.read('text8')
+    with open(path, 'rb') as f:
+        return f.read()
+
+
+def text8_prefix(text, max_chars, path, source):
+    """The first max_chars characters of text; the studies' slice length is checked against its sha256."""
+    if max_chars > len(text):
+        raise DataError(f"--max_chars={max_chars} is more than the {len(text):,} characters of {path}")
+    text = text[:max_chars]
+    if max_chars == TEXT8_SLICE_CHARS:
+        found = hashlib.sha256(text.encode('utf-8')).hexdigest()
+        if found != TEXT8_SLICE_SHA256:
+            remedy = (f"give --source= a copy of the original text8 ({TEXT8_URL}), or leave out --source to "
+                      f"download it" if source else "delete it and run again to download it afresh")
+            raise DataError(f"the first {max_chars:,} characters of {path} have sha256 {found}, expected "
+                            f"{TEXT8_SLICE_SHA256} (the studies' text8 slice): {path} is not the original "
+                            f"text8; {remedy}")
+        print(f"the first {max_chars:,} characters of {path} are the studies' text8 slice (sha256 "
+              f"{TEXT8_SLICE_SHA256[:12]}...)", file=sys.stderr)
+    return text
+
+
+def prepare_text8(out_dir, data_dir, source, max_chars=None):
+    """The standard split: first 90M characters train, next 5M val, last 5M test. max_chars keeps
+    only the first max_chars characters (a prefix of text8) and splits them in the same proportions;
+    so is another text than the full text8 from --source, with a warning, unless its prefix is the
+    studies' slice (TEXT8_SLICE_CHARS, checked)."""
+    path = source or download(TEXT8_URL, os.path.join(data_dir, 'downloads', 'text8.zip'), TEXT8_ZIP_BYTES, 'text8')
+    raw = read_text8(path)
+    full = len(raw) == TEXT8_CHARS and hashlib.md5(raw).hexdigest() == TEXT8_MD5
+    if not full and not source:
+        raise DataError(f"{path} does not unzip to the canonical text8 (md5 {TEXT8_MD5}); delete it and run again")
+    text = decode_text(raw, path)
+    if max_chars is not None:
+        text = text8_prefix(text, max_chars, path, source)
+    if not full and max_chars != TEXT8_SLICE_CHARS:
+        kept = f"its first {max_chars:,} characters" if max_chars is not None else "it"
         print(f"warning: {path} is not the full text8 ({len(raw):,} characters, not {TEXT8_CHARS:,}); "
-              f"splitting it 90/5/5 all the same", file=sys.stderr)
+              f"splitting {kept} 90/5/5 all the same", file=sys.stderr)
+    tokens, vocab = char_tokenize(text, list(TEXT8_VOCAB))
     n_train, n_val = len(tokens) * 90 // 100, len(tokens) * 5 // 100
     write_dataset(out_dir, {'train': tokens[:n_train], 'val': tokens[n_train:n_train + n_val],
                             'test': tokens[n_train + n_val:]},
-                  dict(kind='char', vocab=vocab, vocab_size=len(vocab), dtype='uint8', source=os.path.abspath(path)))
+                  dict(kind='char', vocab=vocab, vocab_size=len(vocab), dtype='uint8', source=os.path.abspath(path),
+                       max_chars=max_chars))
 
 
 def read_stories(path, chunk_bytes=1 << 24):
@@ -405,25 +440,33 @@ def source_of(source):
     return os.path.abspath(source) if source else None
 
 
-def prepare(name, data_dir='data', source=None, shards=None, download=True):
-    """Prepare dataset NAME under data_dir, unless it is there already (from the same --source),
-    and return its folder. download=False: refuse the multi-GB downloads (BIG_DOWNLOADS) and say
-    which command prepares them."""
+def origin(source, max_chars=None):
+    """Where a dataset comes from, in a message: its source (or the download) and the prefix kept."""
+    return f"{source or 'the download'}" + (f" (its first {max_chars:,} characters)" if max_chars else '')
+
+
+def prepare(name, data_dir='data', source=None, shards=None, download=True, max_chars=None):
+    """Prepare dataset NAME under data_dir, unless it is there already (from the same --source and
+    --max_chars), and return its folder. download=False: refuse the multi-GB downloads (BIG_DOWNLOADS)
+    and say which command prepares them. max_chars: text8's first max_chars characters only."""
     out_dir = dataset_dir(name, data_dir)
     meta_path = os.path.join(out_dir, 'meta.json')
     if source and not os.path.exists(source):
         raise DataError(f"--source={source} does not exist (give the path of a local copy of {name})")
+    if max_chars is not None and name != 'text8':
+        raise DataError(f"--max_chars applies to text8 only, not to {name}")
     if os.path.exists(meta_path):
         with open(meta_path) as f:
             meta = json.load(f)
-        stale = source and name in PREPARE and source_of(source) not in (meta.get('source'), *(
-            meta['source'].values() if isinstance(meta.get('source'), dict) else ()))
+        stale = (source and name in PREPARE and source_of(source) not in (meta.get('source'), *(
+            meta['source'].values() if isinstance(meta.get('source'), dict) else ()))) or (
+            max_chars is not None and meta.get('max_chars') != max_chars)
         more_shards = name == 'fineweb' and shards is not None and shards > len(meta['shards']['train'])
         if not stale and not more_shards:
             return out_dir
         if stale:
-            print(f"note: {out_dir} was prepared from {meta.get('source')}; preparing it again from {source}",
-                  file=sys.stderr)
+            print(f"note: {out_dir} was prepared from {origin(meta.get('source'), meta.get('max_chars'))}; "
+                  f"preparing it again from {origin(source, max_chars)}", file=sys.stderr)
     elif name in BIG_DOWNLOADS and not source and not download:
         raise DataError(f"{name} is not prepared in {out_dir}, and preparing it downloads {BIG_DOWNLOADS[name]}; run "
                         f"`python data.py {name} --data_dir={data_dir}` first (or --source=FOLDER for a local copy)")
@@ -431,6 +474,8 @@ def prepare(name, data_dir='data', source=None, shards=None, download=True):
     t0 = time.time()
     if name in PREPARE:
         extra = {'shards': shards} if name == 'fineweb' and shards else {}
+        if max_chars is not None:  # text8 (checked above)
+            extra['max_chars'] = max_chars
         PREPARE[name](out_dir, data_dir, source, **extra)
     else:
         prepare_local_file(name, out_dir)
@@ -515,9 +560,16 @@ def load(name, data_dir='data', download=True):
     return Dataset(prepare(name, data_dir, download=download))
 
 
+def positive_int(option, value):
+    """An option's value as a positive integer (None when not given), or exit with a one-line error."""
+    if value is not None and not (value.isdigit() and int(value) > 0):
+        sys.exit(f"error: --{option} expects a positive integer, got {value!r}")
+    return int(value) if value is not None else None
+
+
 def main(argv):
-    usage = "usage: python data.py NAME [--source=PATH] [--data_dir=DIR] [--shards=N]"
-    args, names = dict(data_dir='data', source=None, shards=None), []
+    usage = "usage: python data.py NAME [--source=PATH] [--data_dir=DIR] [--shards=N] [--max_chars=N]"
+    args, names = dict(data_dir='data', source=None, shards=None, max_chars=None), []
     for arg in argv:
         key, eq, value = arg.removeprefix('--').partition('=')
         if arg in ('-h', '--help'):
@@ -531,17 +583,16 @@ def main(argv):
             names.append(arg)
     if len(names) != 1:
         sys.exit(f"error: name one dataset; {usage}\nNAME: {', '.join(PREPARE)}, or a text file")
-    if args['shards'] is not None and not (args['shards'].isdigit() and int(args['shards']) > 0):
-        sys.exit(f"error: --shards expects a positive integer, got {args['shards']!r}")
+    shards, max_chars = positive_int('shards', args['shards']), positive_int('max_chars', args['max_chars'])
     try:
         folder = dataset_dir(names[0], args['data_dir'])
         existed = os.path.exists(os.path.join(folder, 'meta.json'))
-        ds = Dataset(prepare(names[0], args['data_dir'], args['source'], int(args['shards']) if args['shards'] else None))
+        ds = Dataset(prepare(names[0], args['data_dir'], args['source'], shards, max_chars=max_chars))
     except DataError as e:
         sys.exit(f"error: {e}")
-    if existed and ds.meta.get('source') and not args['source']:
-        print(f"using {folder}, prepared before from {ds.meta['source']}; delete that folder to prepare it again",
-              file=sys.stderr)
+    if existed and ds.meta.get('source') and not args['source'] and max_chars is None:
+        print(f"using {folder}, prepared before from {origin(ds.meta['source'], ds.meta.get('max_chars'))}; "
+              f"delete that folder to prepare it again", file=sys.stderr)
     print(f"{names[0]}: vocab {ds.vocab_size}, " + ', '.join(f'{k} {len(v):,} tokens' for k, v in ds.splits.items()))
 
 

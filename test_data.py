@@ -1,7 +1,7 @@
 """
 data.py: the embedded corpus, local files, text8, TinyStories and FineWeb shards prepared from the
-shared slices and local files (downloads cannot run here: a local server stands in), the fixed
-validation windows.
+shared slices and local files (downloads cannot run here: a local server stands in), the studies'
+text8 slice cut from the full text8 by --max_chars, the fixed validation windows.
 """
 import hashlib
 import http.server
@@ -287,3 +287,92 @@ def test_a_different_source_prepares_the_dataset_again(tmp_path, capsys):
     data.main(['text8', f'--source={second}', f'--data_dir={tmp_path}'])
     assert f"was prepared from {first}; preparing it again from {second}" in capsys.readouterr().err
     assert len(data.load('text8', str(tmp_path)).splits['train']) == (len(text) // 2) * 90 // 100
+
+
+def serve_as_text8(monkeypatch, tmp_path, text):
+    """A local server that stands in for the text8 download, serving a zip of text (whose size and md5
+    data.py then takes for the canonical text8's). Returns the server, to shut down."""
+    archive = tmp_path / 'served.zip'
+    with zipfile.ZipFile(archive, 'w', zipfile.ZIP_DEFLATED) as z:
+        z.writestr('text8', text)
+    RangeHandler.payload, RangeHandler.cut_after, RangeHandler.requests = archive.read_bytes(), None, []
+    server = http.server.HTTPServer(('127.0.0.1', 0), RangeHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setattr(data, 'TEXT8_URL', f'http://127.0.0.1:{server.server_port}/text8.zip')
+    monkeypatch.setattr(data, 'TEXT8_ZIP_BYTES', len(RangeHandler.payload))
+    monkeypatch.setattr(data, 'TEXT8_CHARS', len(text))
+    monkeypatch.setattr(data, 'TEXT8_MD5', hashlib.md5(text.encode()).hexdigest())
+    return server
+
+
+def test_text8_max_chars_cuts_the_studies_slice_from_the_full_text8(tmp_path, monkeypatch, capsys):
+    """`python data.py text8 --max_chars=3010294` (the command the study configs give) prepares the
+    same files as the shared slice did with --source, from the download and from a local copy alike.
+    The "full text8" here is the slice with more text after it, served by a local server."""
+    head = need_shared(TEXT8)
+    assert head.stat().st_size == data.TEXT8_SLICE_CHARS
+    full = head.read_text() + ' and then some more words of wikipedia' * 1000
+    reference = data.Dataset(data.prepare('text8', str(tmp_path / 'ref'), source=str(head)))
+    assert 'not the full text8' in capsys.readouterr().err  # the slice itself is not the full text8
+    server = serve_as_text8(monkeypatch, tmp_path, full)
+    try:
+        data.main(['text8', '--max_chars=3010294', f'--data_dir={tmp_path / "cut"}'])
+    finally:
+        server.shutdown()
+    assert RangeHandler.requests == [0] and (tmp_path / 'cut' / 'downloads' / 'text8.zip').is_file()
+    (tmp_path / 'full.txt').write_text(full)
+    data.main(['text8', '--max_chars=3010294', f'--source={tmp_path / "full.txt"}', f'--data_dir={tmp_path / "local"}'])
+    err = capsys.readouterr().err
+    assert err.count("are the studies' text8 slice") == 2 and 'warning' not in err
+    for folder in ('cut', 'local'):
+        cut = data.Dataset(str(tmp_path / folder / 'text8'))
+        assert cut.meta['vocab'] == reference.meta['vocab'] and cut.meta['splits'] == reference.meta['splits']
+        assert cut.meta['max_chars'] == data.TEXT8_SLICE_CHARS
+        for split in ('train', 'val', 'test'):
+            assert (tmp_path / folder / 'text8' / f'{split}.bin').read_bytes() == \
+                (tmp_path / 'ref' / 'text8' / f'{split}.bin').read_bytes()
+    data.main(['text8', f'--data_dir={tmp_path / "cut"}'])  # what is there, and that it is the cut
+    err = capsys.readouterr().err
+    assert 'prepared before from' in err and '(its first 3,010,294 characters)' in err
+
+
+def test_a_text8_whose_prefix_is_not_the_slice_names_both_hashes_and_what_to_do(tmp_path):
+    text = ('anarchism originated as a term of abuse ' * 80_000)[:data.TEXT8_SLICE_CHARS + 500]
+    source = tmp_path / 'not_text8.txt'
+    source.write_text(text)
+    found = hashlib.sha256(text[:data.TEXT8_SLICE_CHARS].encode()).hexdigest()
+    message = exit_message(data.main, ['text8', '--max_chars=3010294', f'--source={source}', f'--data_dir={tmp_path}'])
+    assert message == (f"error: the first 3,010,294 characters of {source} have sha256 {found}, expected "
+                       f"{data.TEXT8_SLICE_SHA256} (the studies' text8 slice): {source} is not the original text8; "
+                       f"give --source= a copy of the original text8 ({data.TEXT8_URL}), or leave out --source to "
+                       f"download it")
+    assert not (tmp_path / 'text8').exists()
+
+
+def test_bad_max_chars_values_are_one_line_errors(tmp_path):
+    for value in ('0', '-5', '1.5', 'abc', '3_010_294', ''):
+        assert exit_message(data.main, ['text8', f'--max_chars={value}', f'--data_dir={tmp_path}']) == \
+            f"error: --max_chars expects a positive integer, got {value!r}"
+    source = tmp_path / 'short.txt'
+    source.write_text('a short text ' * 100)
+    assert exit_message(data.main, ['text8', '--max_chars=1301', f'--source={source}', f'--data_dir={tmp_path}']) == \
+        f"error: --max_chars=1301 is more than the 1,300 characters of {source}"
+    assert exit_message(data.main, ['pydoc', '--max_chars=1000', f'--data_dir={tmp_path}']) == \
+        "error: --max_chars applies to text8 only, not to pydoc"
+    assert not (tmp_path / 'text8').exists() and not (tmp_path / 'pydoc').exists()
+
+
+def test_max_chars_of_another_text_warns_what_it_splits_and_a_new_value_prepares_again(tmp_path, capsys):
+    text = ' '.join(['anarchism originated as a term of abuse'] * 500)
+    source = tmp_path / 'other.txt'
+    source.write_text(text)
+    data.main(['text8', '--max_chars=1000', f'--source={source}', f'--data_dir={tmp_path}'])
+    assert (f"warning: {source} is not the full text8 ({len(text):,} characters, not 100,000,000); splitting its "
+            f"first 1,000 characters 90/5/5 all the same") in capsys.readouterr().err
+    ds = data.load('text8', str(tmp_path))
+    assert {k: len(v) for k, v in ds.splits.items()} == {'train': 900, 'val': 50, 'test': 50}
+    assert ds.decode(np.concatenate(list(ds.splits.values())).tolist()) == text[:1000]
+    data.main(['text8', '--max_chars=2000', f'--source={source}', f'--data_dir={tmp_path}'])
+    assert (f"was prepared from {source} (its first 1,000 characters); preparing it again from {source} (its "
+            f"first 2,000 characters)") in capsys.readouterr().err
+    assert len(data.load('text8', str(tmp_path)).splits['train']) == 1800
