@@ -1,7 +1,8 @@
 # The CPU study of all ten methods (python sweep.py cpu_methods --jobs=2): a 6-layer, width-96 model
-# on the text8 slice from ../shared/data, 3.3M characters per run (1600 steps of 16 x 128), for 2 CPU
-# cores: about 5 minutes per prenorm run on one core, and 1.0-2.3x that for the other methods.
-#   python data.py text8 --source=../shared/data/text8_head.txt    (the full text8 works too)
+# on the text8 slice (text8's first 3,010,294 characters), 3.3M characters per run (1600 steps of
+# 16 x 128), for 2 CPU cores: about 5 minutes per prenorm run on one core, and 1.0-2.3x that for the
+# other methods.
+#   python data.py text8 --max_chars=3010294    (the slice; the full text8, `python data.py text8`, works too)
 #   python train.py config/cpu_methods.py --residual=wav
 # The learning rate is the one the sweep `python sweep.py cpu_lr` chose for prenorm and block_attnres.
 dataset = 'text8'

@@ -2,7 +2,7 @@
 # the same model, data, steps, learning rate and seeds, in bfloat16 autocast and with torch.compile,
 # so it checks that the CPU table holds under a GPU's precision and kernels (--kernels=auto: Triton).
 # Many small runs share one GPU well: --jobs=10 or more on a machine with as many CPU cores.
-#   python data.py text8 --source=../shared/data/text8_head.txt
+#   python data.py text8 --max_chars=3010294    (the text8 slice of config/cpu_methods.py)
 #   python train.py config/gpu_methods.py --residual=wav
 dataset = 'text8'
 out_dir = 'out-gpu-methods'
