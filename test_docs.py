@@ -1,0 +1,139 @@
+"""
+docs/ against the code: the launch counts that docs/PERFORMANCE.md documents at 4 layers are the
+ones test_kernels.py pins (OPERATORS), and the relative links of docs/PERFORMANCE.md and
+docs/RESULTS.md lead to files (and headings) that exist. No model runs here.
+"""
+import os
+import re
+
+import pytest
+
+from test_kernels import OPERATORS
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+PERFORMANCE = os.path.join(ROOT, 'docs', 'PERFORMANCE.md')
+MARKER = '<!-- test_docs.py parses this table'  # the comment right above the 4-layer table
+COUNTS = {('torch', 'compute'): 'torch compute', ('torch', 'views'): 'torch views',
+          ('triton', 'compute'): 'triton compute', ('triton', 'views'): 'triton views'}
+SUBLAYERS = 8  # 4 layers, as in test_operators_per_training_step_are_pinned
+
+
+def cells(line):
+    return [c.strip() for c in line.strip().strip('|').split('|')]
+
+
+def number(text):
+    return float(text.replace(',', '').replace('*', '').replace('+', '').strip())
+
+
+def launch_table(text):
+    """{method: {column name: cell}} of the first markdown table after MARKER."""
+    start = text.find(MARKER)
+    assert start >= 0, f"docs/PERFORMANCE.md: no line starting {MARKER!r} above the 4-layer launch table"
+    lines = text[start:].splitlines()[1:]
+    while lines and not lines[0].lstrip().startswith('|'):
+        lines.pop(0)
+    rows = []
+    for line in lines:
+        if not line.lstrip().startswith('|'):
+            break
+        rows.append(cells(line))
+    assert len(rows) >= 3, "docs/PERFORMANCE.md: the 4-layer launch table after the marker has no rows"
+    header = [h.lower() for h in rows[0]]
+    missing = [name for name in ['method', *COUNTS.values()] if name not in header]
+    assert not missing, f"docs/PERFORMANCE.md's 4-layer launch table lacks the columns {missing}; it has {header}"
+    table = {}
+    for row in rows[2:]:  # rows[1] is the |---| line
+        assert len(row) == len(header), \
+            f"docs/PERFORMANCE.md: launch table row {row} has {len(row)} cells, not {len(header)}"
+        method = row[header.index('method')].strip('`* ')
+        assert method not in table, f"docs/PERFORMANCE.md: the launch table lists {method} twice"
+        table[method] = dict(zip(header, row))
+    return table
+
+
+def check_launch_table(text, pinned):
+    """The mismatches between the documented table and the pinned counts, one sentence each."""
+    table = launch_table(text)
+    methods = set(pinned['torch']) | set(pinned['triton'])
+    problems = [f"{m}: pinned in test_kernels.OPERATORS but not in docs/PERFORMANCE.md's 4-layer table"
+                for m in sorted(methods - set(table))]
+    problems += [f"{m}: in docs/PERFORMANCE.md's 4-layer table but not pinned in test_kernels.OPERATORS"
+                 for m in sorted(set(table) - methods)]
+    for method in sorted(methods & set(table)):
+        for (backend, kind), column in COUNTS.items():
+            want = pinned[backend][method][0 if kind == 'compute' else 1]
+            got = table[method][column]
+            if not re.fullmatch(r'[\d,]+', got) or int(got.replace(',', '')) != want:
+                problems.append(f"{method}: docs/PERFORMANCE.md says {column} = {got}, "
+                                f"test_kernels.OPERATORS pins {want}")
+    # the derived columns, where the table has them, follow from the counts
+    for backend in ('torch', 'triton'):
+        extra, views = f'{backend} extra / sublayer', f'{backend} views x prenorm'
+        base_compute, base_views = pinned[backend]['prenorm']
+        for method in sorted(methods & set(table)):
+            compute, view_count = pinned[backend][method]
+            if extra in table[method]:
+                want = (compute - base_compute) / SUBLAYERS
+                if abs(number(table[method][extra]) - want) > 0.05 + 1e-9:
+                    problems.append(f"{method}: docs/PERFORMANCE.md says {extra} = {table[method][extra]}, "
+                                    f"the pinned counts give {want:+.2f}")
+            if views in table[method]:
+                want = view_count / base_views
+                if abs(number(table[method][views]) - want) > 0.005 + 1e-9:
+                    problems.append(f"{method}: docs/PERFORMANCE.md says {views} = {table[method][views]}, "
+                                    f"the pinned counts give {want:.3f}")
+    return problems
+
+
+def test_documented_launch_counts_are_the_pinned_ones():
+    """docs/PERFORMANCE.md's 4-layer table (torch and triton, compute operators and views per
+    training step) equals OPERATORS in test_kernels.py, method by method; a count changed in one
+    place must be changed in the other."""
+    with open(PERFORMANCE, encoding='utf-8') as f:
+        problems = check_launch_table(f.read(), OPERATORS)
+    assert not problems, "docs/PERFORMANCE.md and test_kernels.OPERATORS disagree:\n" + '\n'.join(problems)
+
+
+def test_the_launch_check_names_the_method_and_both_numbers():
+    """The check above can fail: one count changed in a copy of the page is reported with the
+    method, the documented number and the pinned one."""
+    with open(PERFORMANCE, encoding='utf-8') as f:
+        text = f.read()
+    start = text.find(MARKER)
+    row = re.search(r'^\| wav \| (\d+) \|', text[start:], re.M)
+    assert row, "docs/PERFORMANCE.md's 4-layer table has no wav row"
+    pinned = OPERATORS['torch']['wav'][0]
+    i = start + row.start(1)
+    changed = text[:i] + str(pinned + 1) + text[i + len(row.group(1)):]
+    problems = check_launch_table(changed, OPERATORS)
+    assert f"wav: docs/PERFORMANCE.md says torch compute = {pinned + 1}, test_kernels.OPERATORS pins {pinned}" \
+        in problems, problems
+
+
+def slug(heading):
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r'[^\w\- ]', '', heading.strip().lower()).replace(' ', '-')
+
+
+@pytest.mark.parametrize('page', ['PERFORMANCE.md', 'RESULTS.md'])
+def test_relative_links_resolve(page):
+    """Every relative link and image of the page names a file of the repository, and every anchor
+    into a markdown page names one of its headings."""
+    path = os.path.join(ROOT, 'docs', page)
+    with open(path, encoding='utf-8') as f:
+        text = re.sub(r'```.*?```', '', f.read(), flags=re.S)
+    broken = []
+    for target in re.findall(r'\]\(([^)\s]+)\)', text):
+        if re.match(r'[a-z]+:', target):
+            continue
+        file, _, anchor = target.partition('#')
+        resolved = os.path.normpath(os.path.join(os.path.dirname(path), file)) if file else path
+        if not os.path.exists(resolved):
+            broken.append(f"{target}: no {os.path.relpath(resolved, ROOT)}")
+        elif anchor and resolved.endswith('.md'):
+            with open(resolved, encoding='utf-8') as f:
+                anchors = {slug(h) for h in re.findall(r'^#+ (.+)$', f.read(), re.M)}
+            if anchor not in anchors:
+                broken.append(f"{target}: no heading #{anchor} in {os.path.relpath(resolved, ROOT)}")
+    assert not broken, f"docs/{page}: broken links: {broken}"
