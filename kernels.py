@@ -63,13 +63,15 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
+import residuals
+from residuals import MATCH_EPS, RMS_EPS, detail_signs, upcast
+
 try:
     import triton
     import triton.language as tl
 except ImportError:  # the kernels are optional: everything runs with kernels=torch
     triton = None
 
-RMS_EPS = 1e-6  # of every RMSNorm in the routing; residuals.py takes it from here
 KERNELS = ('auto', 'reference', 'torch', 'triton')
 
 
@@ -91,7 +93,7 @@ def resolve(kernels, device_type):
 def route(residual, x, sublayers, backend='torch', mgr_fallback_p=1):
     """Run a residual method on the embedding x through the sublayers: the fast twin of its class
     (FAST, at the bottom) with backend 'torch' or 'triton', else its own forward."""
-    fast = FAST.get(type(residual).__name__) if backend != 'reference' else None
+    fast = FAST.get(type(residual)) if backend != 'reference' else None
     return residual(x, sublayers) if fast is None else fast(residual, x, sublayers, backend, mgr_fallback_p)
 
 
@@ -100,11 +102,6 @@ def cast(x, dtype):
     this, never through a no-op x.to(dtype), and updates nothing in place: either makes torch 2.11's
     compiler drop the Function's backward, and every gradient comes out zero (2.13 is fine)."""
     return x if x.dtype == dtype else x.to(dtype)
-
-
-def upcast(x):
-    """float32 for half-precision tensors, others as they are (as residuals.upcast)."""
-    return x.float() if x.element_size() < 4 else x
 
 
 def rms_inverse(x, keepdim=False):
@@ -748,7 +745,7 @@ def block_attnres(module, x, sublayers, backend, mgr_fallback_p):
     return read_all(queries[L], sources, None, backend, shared)
 
 
-def rms_match_torch(details, state, rho, eps=1e-6):
+def rms_match_torch(details, state, rho, eps=MATCH_EPS):
     """WAV's detached RMS matching of several details to one state (residuals.rms_match for each):
     D~ = s D, s = min(rho, RMS(C) / (RMS(D) + eps)) per token, detached. Norms instead of
     pow/mean/sqrt, and RMS(C) once: about half the operators."""
@@ -811,7 +808,7 @@ def _triton_rms_match(state: Tensor, details: List[Tensor], rho: float) -> Tuple
     scales = torch.empty((len(details), N), device=state.device, dtype=acc)
     BT = token_tile(1, C, N)
     _rms_match_fwd[(triton.cdiv(N, BT),)](_address_table(details + matched), state, scales, len(details), N, C,
-                                          rho, 1e-6, ACC=acc_tl, BT=BT, BC=next_pow2(C))
+                                          rho, MATCH_EPS, ACC=acc_tl, BT=BT, BC=next_pow2(C))
     return matched, scales
 
 
@@ -914,7 +911,6 @@ def wav(module, x, sublayers, backend, mgr_fallback_p):
     sums and their matched details) in one pass; each then merges PC and the block's partial details,
     which are accumulated online (one tensor per detail type). The plan of the sources' types is made
     first, so that every read's bias is gathered at once."""
-    from residuals import detail_signs  # (residuals imports this module)
     queries, L = module.read.queries.split(1), len(sublayers)
     blocks, types = wav_plan(module, L)
     readout = types if module.detail_readout else [t for t in types if t < 0]  # conservative: e and block sums
@@ -2152,8 +2148,8 @@ def mudd(module, x, sublayers, backend, mgr_fallback_p):
     return ways[0]
 
 
-# the fast twins, by the name of the class in residuals.py whose maths each computes
-FAST = {'AttnRes': attnres, 'BlockAttnRes': block_attnres, 'DeltaAttnRes': delta_attnres, 'WAV': wav,
-        'HyperConnections': functools.partial(streams, 'connections'),
-        'MHCLite': functools.partial(streams, 'coefficients'), 'MultiGateResiduals': mgr,
-        'DenseFormer': denseformer, 'MUDDFormer': mudd}
+# the fast twins, by the class of residuals.py whose maths each computes (route looks up the exact class)
+FAST = {residuals.AttnRes: attnres, residuals.BlockAttnRes: block_attnres, residuals.DeltaAttnRes: delta_attnres,
+        residuals.WAV: wav, residuals.HyperConnections: functools.partial(streams, 'connections'),
+        residuals.MHCLite: functools.partial(streams, 'coefficients'), residuals.MultiGateResiduals: mgr,
+        residuals.DenseFormer: denseformer, residuals.MUDDFormer: mudd}

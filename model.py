@@ -35,7 +35,7 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = False  # biases in Linears and LayerNorms, as in GPT-2 when True
     residual: str = 'prenorm'  # a key of residuals.RESIDUALS
-    # --- knobs of the residual methods (../shared/SPEC.md names them) ---
+    # --- knobs of the residual methods (docs/METHODS.md names them) ---
     layerscale_init: float = 0.0  # 0 = CaiT's depth rule
     res_block_size: int = 0  # layers per block of block_attnres and wav; 0 = max(1, n_layer // 8)
     wav_detail_bias: float = -2.0  # initial bias of every detail source

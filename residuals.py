@@ -1,5 +1,5 @@
 """
-Residual routing methods: the maths, one class each (../shared/SPEC.md is the contract).
+Residual routing methods: the maths, one class each (docs/METHODS.md is the contract).
 
 Interface: `Cls(config)` is an nn.Module whose `forward(x, sublayers)` takes the embedding output
 x = e (B, T, C) and the L = 2*n_layer sublayers in order (attention, MLP, attention, ...), runs them,
@@ -14,6 +14,9 @@ connections) is a call of a small submodule, so it can be watched from outside w
 as analyze.py does; the classes keep no recording state.
 
 To add a method: write one class below and add one line to RESIDUALS at the bottom.
+
+This file stands alone (torch and the standard library): it owns the routing's RMSNorm epsilon,
+upcast and rms_norm, which kernels.py imports from here.
 """
 import functools
 import itertools
@@ -23,7 +26,8 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from kernels import RMS_EPS  # one epsilon for these RMSNorms and the kernels'
+RMS_EPS = 1e-6  # of every RMSNorm in the routing, here and in kernels.py
+MATCH_EPS = 1e-6  # WAV's RMS matching: RMS(C) / (RMS(D) + eps), here and in kernels.py
 
 
 class PreNorm(nn.Module):
@@ -82,6 +86,7 @@ def upcast(x):
 
 
 def rms_norm(x, eps=RMS_EPS):
+    """x / RMS(x) over the last dimension (no gain)."""
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
@@ -187,7 +192,7 @@ def detail_signs(m, levels):
     return tuple(tuple(row) for row in rows)
 
 
-def rms_match(detail, state, rho, eps=1e-6):
+def rms_match(detail, state, rho, eps=MATCH_EPS):
     """Detached RMS matching: D~ = s D, s = min(rho, stopgrad(RMS(C) / (RMS(D) + eps))), per token."""
     rms = lambda v: upcast(v).pow(2).mean(-1, keepdim=True).sqrt()
     scale = (rms(state) / (rms(detail) + eps)).clamp(max=rho).detach()
@@ -292,7 +297,7 @@ class HCConnections(nn.Module):
 class HyperConnections(nn.Module):
     """Hyper-Connections: n streams H (B, T, n, C); per sublayer the width connection gives the
     input h = A_m^T H and the mixed streams H' = A_r^T H, the depth connection H <- B^T f(h) + H'
-    (Zhu et al., arXiv 2409.19606). Readout: the mean of the streams (SPEC says sum; the final norm
+    (Zhu et al., arXiv 2409.19606). Readout: the mean of the streams (METHODS.md says sum; the final norm
     removes the factor n up to its eps, and the mean makes HC at init equal PreNorm exactly)."""
     sublayer_norm = True
 

@@ -590,6 +590,23 @@ def test_kernels_knob_errors_are_clear(tmp_path):
     assert not (tmp_path / 'o').exists()
 
 
+def test_every_fast_twin_is_found_by_its_class(monkeypatch):
+    """FAST is keyed by the classes of residuals.py themselves (route looks up the exact class), so
+    a renamed class keeps its twin: with each class's own forward made to fail, route runs every
+    method with a twin on it (kernels=torch); prenorm, rezero and layerscale have none."""
+    from residuals import RESIDUALS
+    assert set(kernels.FAST) <= set(RESIDUALS.values())
+    assert sorted(name for name, cls in RESIDUALS.items() if cls not in kernels.FAST) == ['layerscale', 'prenorm',
+                                                                                           'rezero']
+    for name, cls in RESIDUALS.items():
+        if cls in kernels.FAST:
+            with monkeypatch.context() as patch:
+                patch.setattr(cls, 'forward', lambda *args, name=name: pytest.fail(f"{name} ran its class's forward"))
+                out = kernels.route(routing(name, 2), torch.randn(1, 2, 16), [lambda h, *more: torch.tanh(h)] * 4,
+                                    'torch')
+            assert out.shape == (1, 2, 16), name
+
+
 def test_regional_compilation_compiles_one_attention_and_one_mlp_at_any_depth():
     """compile_sublayers (--compile_scope=sublayers): a 4-layer model compiles two graphs, one for
     every attention and one for every MLP, and gives eager's loss and gradients (backend 'eager')."""

@@ -271,7 +271,7 @@ def spec_split(m):
 @pytest.mark.parametrize('n_layer,block', [(3, 2), (7, 4), (2, 1)])
 def test_wav_detail_signs_for_full_and_partial_blocks(n_layer, block, backend):
     """Each update is a unit vector in its own channel, so RMS matching is the identity; with zero
-    queries and zero detail bias every read is the average of SPEC's pool, built here by hand.
+    queries and zero detail bias every read is the average of METHODS.md's pool, built here by hand.
     (3, 2) and (7, 4) end with a block of an odd number of layers (1 and 3)."""
     L, C = 2 * n_layer, 16
     e = torch.linspace(-1, 1, C).expand(1, 2, C)
@@ -392,7 +392,7 @@ def watch_streams(router):
 @pytest.mark.parametrize('backend', BACKENDS)
 @pytest.mark.parametrize('gate', ['competitive', 'independent'])
 def test_mgr_stream_norms_are_bounded_where_prenorm_grows(gate, backend):
-    """SPEC's bound: every stream's per-token norm stays <= max(|e|, max_i |f_i(h_i)|); so do the
+    """METHODS.md's bound: every stream's per-token norm stays <= max(|e|, max_i |f_i(h_i)|); so do the
     sublayers' inputs and the output, pooled from the streams (the fast twins keep the streams
     inside their fused step: those two are what can be seen of them)."""
     gen = torch.Generator().manual_seed(0)
