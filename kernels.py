@@ -90,11 +90,12 @@ def resolve(kernels, device_type):
     return 'triton'
 
 
-def route(residual, x, sublayers, backend='torch', mgr_fallback_p=1):
+def route(residual, x, sublayers, backend='torch'):
     """Run a residual method on the embedding x through the sublayers: the fast twin of its class
-    (FAST, at the bottom) with backend 'torch' or 'triton', else its own forward."""
+    (FAST, at the bottom) with backend 'torch' or 'triton', else its own forward. A twin's settings
+    beyond the backend live on the module it reads (MGR's fallback_p, see mgr)."""
     fast = FAST.get(type(residual)) if backend != 'reference' else None
-    return residual(x, sublayers) if fast is None else fast(residual, x, sublayers, backend, mgr_fallback_p)
+    return residual(x, sublayers) if fast is None else fast(residual, x, sublayers, backend)
 
 
 def cast(x, dtype):
@@ -694,7 +695,7 @@ def chunked(queries, e, L, backend, step, shared):
     return sources
 
 
-def attnres(module, x, sublayers, backend, mgr_fallback_p):
+def attnres(module, x, sublayers, backend):
     """Full AttnRes, chunked; the output mixer reads every source."""
     queries, L, shared = module.read.queries.split(1), len(sublayers), shared_grads(backend)
     sources = chunked(queries, x, L, backend, lambda i, read: sublayers[i](read), shared)
@@ -717,7 +718,7 @@ class GatedAdd(torch.autograd.Function):
         return grad, grad_gate, (grad * gate).to(read.dtype)
 
 
-def delta_attnres(module, x, sublayers, backend, mgr_fallback_p):
+def delta_attnres(module, x, sublayers, backend):
     """Delta AttnRes with Full AttnRes's chunked reads of the deltas; x is the PreNorm stream."""
     gates = torch.sigmoid(module.gate_logit).unbind(0)
 
@@ -730,7 +731,7 @@ def delta_attnres(module, x, sublayers, backend, mgr_fallback_p):
     return x
 
 
-def block_attnres(module, x, sublayers, backend, mgr_fallback_p):
+def block_attnres(module, x, sublayers, backend):
     """Block AttnRes in two phases: the queries of a block read e and the finished block sums in one
     pass; each then merges the block's partial sum PC, once the block has begun."""
     queries, L, sources, shared = module.read.queries.split(1), len(sublayers), [x], shared_grads(backend)
@@ -906,7 +907,7 @@ def accumulate(total, c, u):
     return total + u if c == 1 else total - u
 
 
-def wav(module, x, sublayers, backend, mgr_fallback_p):
+def wav(module, x, sublayers, backend):
     """WAV in Block AttnRes's two phases: the queries of a block read the finished pool (e, the block
     sums and their matched details) in one pass; each then merges PC and the block's partial details,
     which are accumulated online (one tensor per detail type). The plan of the sources' types is made
@@ -1184,7 +1185,7 @@ class TorchStreamMix(torch.autograd.Function):
         return grad_H.view(H.shape), None, None, *grads
 
 
-def streams(coefficients, module, x, sublayers, backend, mgr_fallback_p):
+def streams(coefficients, module, x, sublayers, backend):
     """HC and mHC-lite with the streams rebuilt in the backward instead of saved: the sublayers are
     cut into segments of about sqrt(L); a segment keeps its input streams, what each step saved for
     the replay (a few numbers per token) and the updates (which the update's product with post saves
@@ -2009,18 +2010,22 @@ def mgr_step(streams, u, gate_query, gate_bias, pool_query, competitive, fallbac
     return new, h, rinv
 
 
-def mgr(module, x, sublayers, backend, mgr_fallback_p):
+def mgr(module, x, sublayers, backend):
     """MGR with the fused step (gates, convex update, next AttnPool). In the accumulation phase the
     streams are a list and each AttnPool is one depth read of them (AttnPool is DepthAttention;
-    through a SharedGrads, as the AttnRes family's); they are stacked once, where the gated phase begins. The queries are scaled once and split, so that
-    each sublayer takes its own without an operator (and its gradient without a full-size zero).
-    With mgr_fallback_p >= 0 in eager mode, the steps' backwards invert the lerp, passing the rebuilt
-    streams backwards on a tape local to this forward. The plain step (torch, mgr_fallback_p = -1)
-    is the class's forward."""
-    if backend == 'torch' and mgr_fallback_p < 0:
+    through a SharedGrads, as the AttnRes family's); they are stacked once, where the gated phase
+    begins. The queries are scaled once and split, so that each sublayer takes its own without an
+    operator (and its gradient without a full-size zero).
+    The inversion's setting p is the module's `fallback_p`, which GPT.set_kernels sets from its
+    mgr_fallback_p (1 where unset; only this twin reads it). With p >= 0 in eager mode, the steps'
+    backwards invert the lerp, passing the rebuilt streams backwards on a tape local to this forward;
+    the originals of the p largest gates per token are kept. The plain step (torch, p = -1) is the
+    class's forward."""
+    fallback_p = getattr(module, 'fallback_p', 1)
+    if backend == 'torch' and fallback_p < 0:
         return module(x, sublayers)
     n, gates = module.n, module.gates
-    tape = {} if mgr_fallback_p >= 0 and not torch.compiler.is_compiling() else None  # Python state: eager only
+    tape = {} if fallback_p >= 0 and not torch.compiler.is_compiling() else None  # Python state: eager only
     pool_queries = (module.pool.queries * module.pool.scale).split(1)  # rows (1, C): the reads' and the steps'
     gate_queries, gate_bias = (gates.queries * gates.scale).split(1), gates.bias.split(1)
     started, streams, rinv, shared = [x], None, None, shared_grads(backend)  # s_1 = e, then a stream per update
@@ -2035,7 +2040,7 @@ def mgr(module, x, sublayers, backend, mgr_fallback_p):
                 streams = torch.stack(started) if len(started) > 1 else x.unsqueeze(0)
             j = i - (n - 1)
             streams, h, rinv = mgr_step(streams, u, gate_queries[j], gate_bias[j], pool_queries[i + 1], gates.competitive,
-                                        mgr_fallback_p, tape, i, i == len(sublayers) - 1, backend, rinv)
+                                        fallback_p, tape, i, i == len(sublayers) - 1, backend, rinv)
     return h
 
 
@@ -2106,7 +2111,7 @@ class DenseMix(torch.autograd.Function):
         return grad_w.to(weights.dtype), None, None, None, None, *owned
 
 
-def denseformer(module, x, sublayers, backend, mgr_fallback_p):
+def denseformer(module, x, sublayers, backend):
     """DenseFormer with its states in one buffer: each average is one GEMV over the states it reads.
     Compiled, the class's forward (the compiler fuses its multiply-adds)."""
     if torch.compiler.is_compiling():
@@ -2127,7 +2132,7 @@ def denseformer(module, x, sublayers, backend, mgr_fallback_p):
     return x
 
 
-def mudd(module, x, sublayers, backend, mgr_fallback_p):
+def mudd(module, x, sublayers, backend):
     """MUDDFormer with its states in one buffer: each layer's ways are one product per token over the
     states. Compiled, the class's forward."""
     if torch.compiler.is_compiling():

@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 import kernels
-from residuals import RESIDUALS
+from residuals import RESIDUALS, MultiGateResiduals
 
 
 COMPILE_SCOPES = ('model', 'sublayers')  # of GPT.compiled
@@ -173,7 +173,7 @@ class GPT(nn.Module):
             if name.endswith('c_proj.weight'):  # GPT-2's scaled init of the residual projections
                 torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
         self.residual = residual_cls(config)
-        self.kernels, self.mgr_fallback_p = 'torch', 1  # see set_kernels
+        self.kernels = 'torch'  # see set_kernels
 
     def _init_weights(self, module):
         if isinstance(module, nn.Linear):
@@ -188,11 +188,13 @@ class GPT(nn.Module):
         residuals.py as written), 'torch', 'triton', or 'auto' (triton on CUDA, else torch), for the
         device the model is on now. mgr_fallback_p: MGR's fast backward rebuilds its streams by
         inverting the lerp, keeping the originals of the p largest gates per token; -1 keeps every
-        input instead. Returns the backend chosen."""
+        input instead (set on the MGR module, whose twin alone reads it: kernels.mgr). Returns the
+        backend chosen."""
         if mgr_fallback_p < -1:
             raise ValueError(f"mgr_fallback_p must be -1 (no inversion) or >= 0, got {mgr_fallback_p}")
         self.kernels = kernels.resolve(name, self.lm_head.weight.device.type)
-        self.mgr_fallback_p = mgr_fallback_p
+        if isinstance(self.residual, MultiGateResiduals):
+            self.residual.fallback_p = mgr_fallback_p
         return self.kernels
 
     def get_num_params(self, non_embedding=True):
@@ -231,7 +233,7 @@ class GPT(nn.Module):
             raise ValueError(f"sequence of length {T} is longer than block_size={self.config.block_size}")
         pos = torch.arange(0, T, dtype=torch.long, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
-        x = kernels.route(self.residual, x, self.sublayers(), self.kernels, self.mgr_fallback_p)  # residual(x, sublayers)
+        x = kernels.route(self.residual, x, self.sublayers(), self.kernels)  # residual(x, sublayers)
         x = self.transformer.ln_f(x)
         if targets is not None:
             logits = self.lm_head(x)

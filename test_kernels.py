@@ -202,7 +202,8 @@ def mgr_run(n, C, T, gate, backend, fallback_p, dtype, seed=0):
     router.to(KERNEL_DEVICE, dtype)
     weights = [torch.randn(C, C, generator=gen).to(KERNEL_DEVICE, dtype) * C ** -0.5 for _ in range(2 * n + 2)]
     e = torch.randn(2, T, C, generator=gen).to(KERNEL_DEVICE, dtype).requires_grad_()
-    out = kernels.route(router, e, [lambda h, w=w: 3 * torch.tanh(h @ w) for w in weights], backend, fallback_p)
+    router.fallback_p = fallback_p  # as GPT.set_kernels sets it
+    out = kernels.route(router, e, [lambda h, w=w: 3 * torch.tanh(h @ w) for w in weights], backend)
     grads = torch.autograd.grad((out * torch.randn(out.shape, generator=gen).to(KERNEL_DEVICE, dtype)).sum(),
                                 [e] + list(router.parameters()))
     return [out, *grads]
@@ -241,7 +242,8 @@ def test_mgr_fallback_keeps_the_streams_the_inversion_cannot_rebuild(backend, fe
         e = torch.randn(2, 5, 24, generator=gen).to(KERNEL_DEVICE, dtype).requires_grad_()
         updates = [(torch.randn(2, 5, 24, generator=gen) * 3).to(KERNEL_DEVICE, dtype).requires_grad_()
                    for _ in range(8)]
-        out = kernels.route(router, e, fake_sublayers(updates, []), backend if fallback_p >= 0 else 'reference', fallback_p)
+        router.fallback_p = fallback_p
+        out = kernels.route(router, e, fake_sublayers(updates, []), backend if fallback_p >= 0 else 'reference')
         gout = torch.randn(out.shape, generator=gen).to(KERNEL_DEVICE, dtype)
         return torch.autograd.grad((out * gout).sum(), [e] + updates)
     want = run(-1, torch.float64)
@@ -273,7 +275,7 @@ def test_mgr_inverting_backward_runs_twice_and_refuses_to_start_at_an_inner_step
     randomize_routing(router)
     gen = torch.Generator().manual_seed(0)
     kernels.route(router, torch.randn(1, 2, 16, generator=gen),
-                  fake_sublayers([torch.randn(1, 2, 16, generator=gen)] * 6, inputs), 'torch', 1)
+                  fake_sublayers([torch.randn(1, 2, 16, generator=gen)] * 6, inputs), 'torch')  # fallback_p 1: unset
     with pytest.raises(RuntimeError, match='mgr_fallback_p=-1'):
         inputs[4].sum().backward()  # the input of sublayer 4, made by the (inner) step of sublayer 3
 
@@ -605,6 +607,30 @@ def test_every_fast_twin_is_found_by_its_class(monkeypatch):
                 out = kernels.route(routing(name, 2), torch.randn(1, 2, 16), [lambda h, *more: torch.tanh(h)] * 4,
                                     'torch')
             assert out.shape == (1, 2, 16), name
+
+
+def test_mgr_fallback_p_reaches_mgrs_twin_alone(monkeypatch):
+    """GPT.set_kernels' mgr_fallback_p is set on the MGR module, where MGR's twin alone reads it (route
+    and the other twins take no such setting, and other methods' modules get none): p = -1 runs the
+    class's plain forward, p >= 0 the inverting step; a p below -1 is refused."""
+    import inspect
+    assert list(inspect.signature(kernels.route).parameters) == ['residual', 'x', 'sublayers', 'backend']
+    plain = []
+    forward = kernels.residuals.MultiGateResiduals.forward
+    monkeypatch.setattr(kernels.residuals.MultiGateResiduals, 'forward',
+                        lambda *args: plain.append(True) or forward(*args))
+    idx = torch.randint(27, (1, 4), generator=torch.Generator().manual_seed(0))
+    model = tiny_model('mgr', n_layer=3, mgr_streams=2)
+    for p, runs_plain in [(1, False), (-1, True), (0, False)]:
+        plain.clear()
+        assert model.set_kernels('torch', p) == 'torch' and model.residual.fallback_p == p
+        model(idx, idx)
+        assert bool(plain) == runs_plain, p
+    other = tiny_model('attnres')
+    other.set_kernels('torch', 0)
+    assert not hasattr(other.residual, 'fallback_p')
+    with pytest.raises(ValueError, match='mgr_fallback_p must be -1'):
+        model.set_kernels('torch', -2)
 
 
 def test_regional_compilation_compiles_one_attention_and_one_mlp_at_any_depth():
