@@ -52,6 +52,22 @@ def record(model, idx):
     the stream-mixing matrices (hc: A_r^T, mhc_lite: H_res; (B, T, n, n)), MGR's gates (n, B, T) and
     MUDD's mean weights per way and state. DenseFormer's averages and MUDD's residual way count as reads."""
     rec = {'inputs': [], 'reads': [], 'streams': [], 'mixing': [], 'gates': [], 'dense': []}
+    hooks = watch(model, rec)
+    backend = model.kernels
+    model.set_kernels('reference')
+    try:
+        with torch.no_grad():
+            model(idx)
+    finally:
+        model.set_kernels(backend)
+        for hook in hooks:
+            hook.remove()
+    return rec
+
+
+def watch(model, rec):
+    """The forward hooks that fill rec (see record) on the sublayers and the routing submodules;
+    returns their handles."""
     residual, hooks = model.residual, []
 
     def on_read(module, args, kwargs, output):
@@ -98,16 +114,7 @@ def record(model, idx):
         hooks.append(residual.coefficients.register_forward_hook(on_coefficients))
     if hasattr(residual, 'gates'):
         hooks.append(residual.gates.register_forward_hook(lambda m, args, beta: rec['gates'].append(beta.detach())))
-    backend = model.kernels
-    model.set_kernels('reference')
-    try:
-        with torch.no_grad():
-            model(idx)
-    finally:
-        model.set_kernels(backend)
-        for hook in hooks:
-            hook.remove()
-    return rec
+    return hooks
 
 
 def activation_stats(inputs):
@@ -192,6 +199,7 @@ def analyze(path, n_sequences, budget):
 
 
 def plot(results, folder):
+    """The figures of the results that have something to show, as PNGs in folder; returns their names."""
     try:
         import matplotlib
         matplotlib.use('Agg')
@@ -203,13 +211,19 @@ def plot(results, folder):
     label = lambda r: r['residual'] if names.count(r['residual']) == 1 else \
         f"{r['residual']} ({os.path.basename(os.path.dirname(r['checkpoint'])) or r['checkpoint']})"
     written = []
+    for name, draw in (('activations.png', plot_activations), ('pruning.png', plot_pruning),
+                       ('routing.png', plot_routing), ('streams.png', plot_streams),
+                       ('composite_gain.png', plot_composite_gain), ('gates.png', plot_gates)):
+        fig = draw(plt, results, label)
+        if fig is not None:
+            fig.tight_layout()
+            fig.savefig(os.path.join(folder, name), dpi=100)
+            plt.close(fig)
+            written.append(name)
+    return written
 
-    def save(fig, name):
-        fig.tight_layout()
-        fig.savefig(os.path.join(folder, name), dpi=100)
-        plt.close(fig)
-        written.append(name)
 
+def plot_activations(plt, results, label):
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for r in results:
         for ax, key in zip(axes, ('rms', 'max_abs')):
@@ -217,63 +231,77 @@ def plot(results, folder):
     for ax, key in zip(axes, ('RMS', 'max |h|')):
         ax.set(xlabel='sublayer (attention even, MLP odd)', ylabel=f'{key} of the sublayer input', yscale='log')
         ax.legend(fontsize=8)
-    save(fig, 'activations.png')
+    return fig
 
+
+def plot_pruning(plt, results, label):
     fig, ax = plt.subplots(figsize=(6, 4))
     for r in results:
         ax.plot(range(len(r['pruning']['increase'])), r['pruning']['increase'], marker='o', label=label(r))
     ax.set(xlabel='layer skipped', ylabel='val loss increase (nats)')
     ax.legend(fontsize=8)
-    save(fig, 'pruning.png')
+    return fig
 
+
+def plot_routing(plt, results, label):
+    """A heat map of the mean weights per routed result, and every result's total weight on details."""
     routed = [r for r in results if 'routing' in r]
-    if routed:
-        fig, axes = plt.subplots(1, len(routed) + 1, figsize=(5 * (len(routed) + 1), 4), squeeze=False)
-        for ax, r in zip(axes[0], routed):
-            weights = r['routing']['mean_weights']
-            width = max(len(w) for w in weights)
-            grid = torch.full((len(weights), width), float('nan'))
-            for row, w in enumerate(weights):
-                grid[row, :len(w)] = torch.tensor(w)
-            image = ax.imshow(grid.numpy(), aspect='auto', origin='lower', cmap='viridis')
-            ax.set(title=f"{label(r)}: mean weight", xlabel='source (e first, details last)',
-                   ylabel='reader (last = output)')
-            fig.colorbar(image, ax=ax)
-        for r in routed:
-            axes[0][-1].plot(r['routing']['detail_weight'], marker='.', label=label(r))
-        axes[0][-1].set(xlabel='reader', ylabel='total weight on detail sources')
-        axes[0][-1].legend(fontsize=8)
-        save(fig, 'routing.png')
+    if not routed:
+        return None
+    fig, axes = plt.subplots(1, len(routed) + 1, figsize=(5 * (len(routed) + 1), 4), squeeze=False)
+    for ax, r in zip(axes[0], routed):
+        weights = r['routing']['mean_weights']
+        width = max(len(w) for w in weights)
+        grid = torch.full((len(weights), width), float('nan'))
+        for row, w in enumerate(weights):
+            grid[row, :len(w)] = torch.tensor(w)
+        image = ax.imshow(grid.numpy(), aspect='auto', origin='lower', cmap='viridis')
+        ax.set(title=f"{label(r)}: mean weight", xlabel='source (e first, details last)',
+               ylabel='reader (last = output)')
+        fig.colorbar(image, ax=ax)
+    for r in routed:
+        axes[0][-1].plot(r['routing']['detail_weight'], marker='.', label=label(r))
+    axes[0][-1].set(xlabel='reader', ylabel='total weight on detail sources')
+    axes[0][-1].legend(fontsize=8)
+    return fig
 
+
+def plot_streams(plt, results, label):
     streamed = [r for r in results if 'streams' in r]
-    if streamed:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for r in streamed:
-            ax.plot(r['streams']['angular_distance'], marker='.', label=label(r))
-        ax.set(xlabel='sublayer', ylabel='mean pairwise angular distance of streams')
-        ax.legend(fontsize=8)
-        save(fig, 'streams.png')
+    if not streamed:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in streamed:
+        ax.plot(r['streams']['angular_distance'], marker='.', label=label(r))
+    ax.set(xlabel='sublayer', ylabel='mean pairwise angular distance of streams')
+    ax.legend(fontsize=8)
+    return fig
 
+
+def plot_composite_gain(plt, results, label):
     mixed = [r for r in results if 'composite_gain' in r]
-    if mixed:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for r in mixed:
-            for key, style in (('forward', '-'), ('backward', '--')):
-                ax.plot(r['composite_gain'][key], style, label=f"{label(r)} {key}")
-        ax.set(xlabel='sublayer l', ylabel='gain of the mixing product up to l', yscale='log')
-        ax.legend(fontsize=8)
-        save(fig, 'composite_gain.png')
+    if not mixed:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in mixed:
+        for key, style in (('forward', '-'), ('backward', '--')):
+            ax.plot(r['composite_gain'][key], style, label=f"{label(r)} {key}")
+    ax.set(xlabel='sublayer l', ylabel='gain of the mixing product up to l', yscale='log')
+    ax.legend(fontsize=8)
+    return fig
 
+
+def plot_gates(plt, results, label):
     gated = [r for r in results if 'gates' in r]
-    if gated:
-        fig, axes = plt.subplots(1, len(gated), figsize=(5 * len(gated), 4), squeeze=False)
-        for ax, r in zip(axes[0], gated):
-            image = ax.imshow(torch.tensor(r['gates']).T.numpy(), aspect='auto', origin='lower', cmap='magma')
-            ax.set(title=f"{label(r)}: mean gate", xlabel='gated sublayer', ylabel='stream',
-                   yticks=range(len(r['gates'][0])))
-            fig.colorbar(image, ax=ax)
-        save(fig, 'gates.png')
-    return written
+    if not gated:
+        return None
+    fig, axes = plt.subplots(1, len(gated), figsize=(5 * len(gated), 4), squeeze=False)
+    for ax, r in zip(axes[0], gated):
+        image = ax.imshow(torch.tensor(r['gates']).T.numpy(), aspect='auto', origin='lower', cmap='magma')
+        ax.set(title=f"{label(r)}: mean gate", xlabel='gated sublayer', ylabel='stream',
+               yticks=range(len(r['gates'][0])))
+        fig.colorbar(image, ax=ax)
+    return fig
 
 
 def main(argv):
