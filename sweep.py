@@ -100,15 +100,15 @@ def arg_name(arg):
 
 def runs_of(grid, runs_dir):
     """A grid's runs in order: a grid is one product of configs x variants x seeds, or a list of them."""
-    spec = GRIDS[grid]
-    for part in spec if isinstance(spec, list) else [spec]:
-        yield from product_runs(grid, part, runs_dir)
+    parts = GRIDS[grid]
+    for product in parts if isinstance(parts, list) else [parts]:
+        yield from product_runs(grid, product, runs_dir)
 
 
-def product_runs(grid, spec, runs_dir):
-    for config in spec['configs']:
-        for variant in spec['variants']:
-            for seed in spec['seeds']:
+def product_runs(grid, product, runs_dir):
+    for config in product['configs']:
+        for variant in product['variants']:
+            for seed in product['seeds']:
                 group, method = '-'.join(map(arg_name, config)), '-'.join(map(arg_name, variant))
                 out_dir = os.path.join(runs_dir, grid, f'{group}-{method}-seed{seed}')
                 yield dict(grid=grid, group=group, method=method, seed=seed, out_dir=out_dir,
