@@ -646,31 +646,32 @@ class SharedRead(torch.autograd.Function):
 
 # ----------------------------------------------------------------------------- the AttnRes family's schedules
 
-def read_many(queries, sources, bias, backend, shared=None):
-    """Phase 1: the queries (m, C) read the same sources in one pass -> m rows (mixed, lse): (B, T, C),
-    (B, T). Unbound once: indexing row k of the whole tensor would give every row's backward a zero
-    gradient of the whole size. `shared`: a SharedGrads or None."""
+# Three reads, by how many queries read and whether a prior row is given. A row is a read left open
+# for more sources: (mixed, lse), with lse_j = logsumexp of its logits. The reads of one query return
+# (B, T, C) as both backends write it: no view to drop the query dimension, nor its backward.
+
+def read_many_no_prior(queries, sources, bias, backend, shared=None):
+    """Phase 1: many queries (m, C) read the same sources in one pass, with no prior -> their m rows
+    (mixed, lse): (B, T, C), (B, T), for phase 2 to continue. Unbound once: indexing row k of the
+    whole tensor would give every row's backward a zero gradient of the whole size. `shared`: a
+    SharedGrads or None."""
     mixed, lse = shared.read(queries, bias, sources) if shared else depth_mix(queries, bias, sources, backend)
     return list(zip(mixed.unbind(), lse.unbind()))
 
 
-def read_one(query, bias, sources, backend, prior=None, shared=None):
-    """One query (1, C) reads the sources, merged with a prior row (mixed, lse) or through a SharedGrads
-    -> (B, T, C) (both backends write it so: no view to drop the query dimension, nor its backward)."""
+def read_one_with_prior(row, query, more, bias, backend):
+    """Phase 2: one query (1, C) continues its prior row (mixed, lse) from phase 1, merging further
+    sources that it alone reads (bias (1, S) or None) by an online softmax, in the same kernel that
+    reads them -> (B, T, C); the row's mixed as it is when there are none."""
+    return depth_mix(query, bias, more, backend, row, one=True)[0] if more else row[0]
+
+
+def read_one_no_prior(query, sources, bias, backend, shared=None):
+    """One query (1, C) reads the sources, with no prior (the output mixers, MGR's AttnPool while its
+    streams start), through a SharedGrads where given -> (B, T, C)."""
     if shared:
         return shared.read(query, bias, sources, one=True)[0]
-    return depth_mix(query, bias, sources, backend, prior, one=True)[0]
-
-
-def read_on(row, query, more, bias, backend):
-    """Phase 2: a phase-1 row (mixed, lse) merged, by an online softmax, with further sources that
-    this query (1, C) alone reads (bias (1, S) or None), in the same kernel that reads them -> (B, T, C)."""
-    return read_one(query, bias, more, backend, row) if more else row[0]
-
-
-def read_all(query, sources, bias, backend, shared=None):
-    """One query (1, C) reads all the sources (the output mixers) -> (B, T, C)."""
-    return read_one(query, bias, sources, backend, shared=shared)
+    return depth_mix(query, bias, sources, backend, one=True)[0]
 
 
 def rows_of(queries, start, m):
@@ -688,9 +689,9 @@ def chunked(queries, e, L, backend, step, shared):
     sources, chunk = [e], max(1, math.isqrt(L))
     for start in range(0, L, chunk):
         m = min(chunk, L - start)
-        finished, fresh = read_many(rows_of(queries, start, m), sources, None, backend, shared), []
+        finished, fresh = read_many_no_prior(rows_of(queries, start, m), sources, None, backend, shared), []
         for k in range(m):
-            fresh.append(step(start + k, read_on(finished[k], queries[start + k], fresh, None, backend)))
+            fresh.append(step(start + k, read_one_with_prior(finished[k], queries[start + k], fresh, None, backend)))
         sources = sources + fresh
     return sources
 
@@ -699,7 +700,7 @@ def attnres(module, x, sublayers, backend):
     """Full AttnRes, chunked; the output mixer reads every source."""
     queries, L, shared = module.read.queries.split(1), len(sublayers), shared_grads(backend)
     sources = chunked(queries, x, L, backend, lambda i, read: sublayers[i](read), shared)
-    return read_all(queries[L], sources, None, backend, shared)
+    return read_one_no_prior(queries[L], sources, None, backend, shared)
 
 
 class GatedAdd(torch.autograd.Function):
@@ -737,13 +738,14 @@ def block_attnres(module, x, sublayers, backend):
     queries, L, sources, shared = module.read.queries.split(1), len(sublayers), [x], shared_grads(backend)
     for start in range(0, L, module.block_len):
         m = min(module.block_len, L - start)
-        finished, partial = read_many(rows_of(queries, start, m), sources, None, backend, shared), None
+        finished, partial = read_many_no_prior(rows_of(queries, start, m), sources, None, backend, shared), None
         for k in range(m):
-            h = read_on(finished[k], queries[start + k], [] if partial is None else [partial], None, backend)
+            more = [] if partial is None else [partial]
+            h = read_one_with_prior(finished[k], queries[start + k], more, None, backend)
             u = sublayers[start + k](h)
             partial = u if partial is None else partial + u
         sources = sources + [partial]
-    return read_all(queries[L], sources, None, backend, shared)
+    return read_one_no_prior(queries[L], sources, None, backend, shared)
 
 
 def rms_match_torch(details, state, rho, eps=MATCH_EPS):
@@ -921,11 +923,11 @@ def wav(module, x, sublayers, backend):
         coeffs = detail_signs(m, module.levels) if module.basis_delta is None else module.basis(m)
         # a fixed basis may repeat a row (m = 2: phase and split are both (+1, -1)): accumulated once
         same = [coeffs.index(row) if module.basis_delta is None else d for d, row in enumerate(coeffs)]
-        finished = read_many(rows_of(queries, start, m), sources, next(biases), backend, shared)
+        finished = read_many_no_prior(rows_of(queries, start, m), sources, next(biases), backend, shared)
         partial = raw = None  # PC and the raw partial details P_d
         for k in range(m):
             more = [] if k == 0 else [partial] + rms_match([raw[d] for d in own[k][1:]], partial, module.rho, backend)
-            h = read_on(finished[k], queries[start + k], more, next(biases) if k else None, backend)
+            h = read_one_with_prior(finished[k], queries[start + k], more, next(biases) if k else None, backend)
             u = sublayers[start + k](h)
             partial = u if partial is None else partial + u
             raw = [accumulate(None if raw is None else raw[d], coeffs[d][k], u) if same[d] == d else None
@@ -937,7 +939,7 @@ def wav(module, x, sublayers, backend):
                                          else [None] * len(begun))
     if not module.detail_readout:
         sources = [s for s, t in zip(sources, types) if t < 0]
-    return read_all(queries[L], sources, next(biases), backend, shared)
+    return read_one_no_prior(queries[L], sources, next(biases), backend, shared)
 
 
 # ----------------------------------------------------------------------------- HC and mHC-lite: recomputed streams
@@ -2029,12 +2031,12 @@ def mgr(module, x, sublayers, backend):
     pool_queries = (module.pool.queries * module.pool.scale).split(1)  # rows (1, C): the reads' and the steps'
     gate_queries, gate_bias = (gates.queries * gates.scale).split(1), gates.bias.split(1)
     started, streams, rinv, shared = [x], None, None, shared_grads(backend)  # s_1 = e, then a stream per update
-    h = read_all(pool_queries[0], started, None, backend, shared)
+    h = read_one_no_prior(pool_queries[0], started, None, backend, shared)
     for i, f in enumerate(sublayers):
         u = f(h)
         if i < n - 1:  # accumulation phase: the update starts a new stream
             started.append(u)
-            h = read_all(pool_queries[i + 1], started, None, backend, shared)
+            h = read_one_no_prior(pool_queries[i + 1], started, None, backend, shared)
         else:
             if streams is None:
                 streams = torch.stack(started) if len(started) > 1 else x.unsqueeze(0)
