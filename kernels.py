@@ -11,48 +11,56 @@ computes (plain autograd, the oracle); this file holds every fast path behind on
                interpreter when TRITON_INTERPRET=1 is set before triton is imported, as the tests do)
     auto       triton on CUDA when it imports, else torch
 
-`route(residual, x, sublayers, backend)` runs a method: the fast twin listed in FAST for its class,
-or its own forward (the reference, and every method without a twin here). The tests hold every
-twin equal to the reference, in value and in every gradient.
-
-depth_mix (AttnRes family, WAV): m queries read a list of S sources (B, T, C). DepthMix in PyTorch
-works one source at a time; the Triton kernel runs one program per tile of tokens (one token at
-GPT-2's widths, several at small ones: token_tile) and reads each source once in the forward (RMS,
-dots with every query and an online softmax in one pass) and once in the backward. The sources are
-never stacked.
-
-Two-phase reads (the AttnRes paper's schedule): the queries of a block (or of a chunk of about
-sqrt(L) sublayers for Full and Delta AttnRes) read the finished sources in one pass; each sublayer
-then reads the sources of its own block with its phase-1 row (mixed, lse) as the online softmax's
-starting state, in the same kernel: one launch per read, forward and backward. The queries and
-WAV's biases are split or gathered once per forward, so that no read indexes a parameter (each
-index would cost a full-size zero gradient and a copy in the backward). `python bench.py
+`route(residual, x, sublayers, backend)` runs a method: the fast twin listed in FAST (at the bottom)
+for its class, or its own forward (the reference, and every method without a twin here). The tests
+hold every twin equal to the reference, in value and in every gradient. `python bench.py
 --count_ops=True` counts the operators (GPU launches) one training step dispatches; a test pins them.
 
 Precision: every path computes at its inputs' precision, upcasting half precision only; float64
 stays float64 (the Triton kernels too), so the tests hold every fast path to its class in float64.
 
-HC and mHC-lite keep n copies of the stream; plain autograd saves them at every sublayer (2.1-2.7x
-prenorm's activation memory). The twin keeps only each segment's input streams, the sublayers'
-updates and what their connections are computed from (a few numbers per token), rebuilds the
-streams in the backward as the mHC paper recomputes its kernels (1.2x), and writes every gradient
-by hand (HCStep, MHCStep): batched products per token for the mixing, none of autograd's per-op
-copies or per-sublayer parameter rows. With Triton,
-a sublayer's step (the streams' RMS, HC's projection XW, the connections from it, the mixing) is one
-kernel forward and one backward (mHC-lite's projection: GEMMs beside them); the replay reuses the
-forward kernel on the saved XW.
+After the helpers they share, the file goes family by family, each in one order: what it computes
+(a comment), its PyTorch twin, then its Triton kernels (defined only where triton imports) and the
+custom ops that launch them.
 
-MGR step: the gates, the streams' convex update and the next sublayer's AttnPool in one pass over
-the streams. Its backward can rebuild the input streams from the output streams by inverting the
-lerp, s = (s' - beta u) / (1 - beta), so the chain of steps keeps one set of streams instead of one
-per sublayer; the originals of the p largest gates per token are stored, as the inversion divides
-by 1 - beta (`mgr_fallback_p` = p; -1 = no inversion).
+1. The depth mix (the AttnRes family's and WAV's reads, MGR's AttnPool): m queries read a list of S
+   sources (B, T, C). DepthMix in PyTorch works one source at a time; the Triton kernel runs one
+   program per tile of tokens (one token at GPT-2's widths, several at small ones: token_tile) and
+   reads each source once in the forward (RMS, dots with every query and an online softmax in one
+   pass) and once in the backward. The sources are never stacked. A read may continue a prior one
+   (its mixed and log-sum-exp); SharedGrads gives the sources read again by later blocks one
+   gradient each. The reads: read_many_no_prior, read_one_with_prior, read_one_no_prior.
 
-DenseFormer and MUDD mix every earlier layer output after each layer: written as the classes write
-it, L^2/2 multiply-adds over depth (4x that for MUDD's four ways), each a pass over the activations
-forward and several backward. The twins copy each state once into one buffer and run each mix as
-one product over it (a GEMV for DenseFormer's scalar weights, a batched product per token for
-MUDD's, over a buffer laid out token by token), forward and backward.
+2. The AttnRes family and WAV, in two-phase reads (the AttnRes paper's schedule): the queries of a
+   block (or of a chunk of about sqrt(L) sublayers for Full and Delta AttnRes) read the finished
+   sources in one pass; each sublayer then reads the sources of its own block with its phase-1 row
+   (mixed, lse) as the online softmax's starting state, in the same kernel: one launch per read,
+   forward and backward. The queries and WAV's biases are split or gathered once per forward, so
+   that no read indexes a parameter (each index would cost a full-size zero gradient and a copy in
+   the backward). WAV's RMS matching of its details: one kernel per state.
+
+3. HC and mHC-lite keep n copies of the stream; plain autograd saves them at every sublayer (2.1-2.7x
+   prenorm's activation memory). The twin keeps only each segment's input streams, the sublayers'
+   updates and what their connections are computed from (a few numbers per token), rebuilds the
+   streams in the backward as the mHC paper recomputes its kernels (1.2x), and writes every gradient
+   by hand (HCStep, MHCStep): batched products per token for the mixing, none of autograd's per-op
+   copies or per-sublayer parameter rows. With Triton, a sublayer's step (the streams' RMS, HC's
+   projection XW, the connections from it, the mixing) is one kernel forward and one backward
+   (mHC-lite's projection: GEMMs beside them); the replay reuses the forward kernel on the saved XW.
+
+4. MGR step: the gates, the streams' convex update and the next sublayer's AttnPool in one pass over
+   the streams. Its backward can rebuild the input streams from the output streams by inverting the
+   lerp, s = (s' - beta u) / (1 - beta), so the chain of steps keeps one set of streams instead of one
+   per sublayer; the originals of the p largest gates per token are stored, as the inversion divides
+   by 1 - beta (p: the MGR module's fallback_p, which GPT.set_kernels sets from its mgr_fallback_p;
+   -1 = no inversion).
+
+5. DenseFormer and MUDD mix every earlier layer output after each layer: written as the classes write
+   it, L^2/2 multiply-adds over depth (4x that for MUDD's four ways), each a pass over the activations
+   forward and several backward. The twins copy each state once into one buffer and run each mix as
+   one product over it (a GEMV for DenseFormer's scalar weights, a batched product per token for
+   MUDD's, over a buffer laid out token by token), forward and backward. PyTorch only: no Triton
+   kernels.
 """
 import functools
 import math
@@ -105,6 +113,8 @@ def cast(x, dtype):
     return x if x.dtype == dtype else x.to(dtype)
 
 
+# ----------------------------------------------------------------------------- helpers the families share
+
 def rms_inverse(x, keepdim=False):
     """1 / sqrt(mean(x^2) + eps) over the last dimension, in one pass without a squared copy
     (float32 for half-precision x)."""
@@ -140,7 +150,53 @@ def token_tile(m, C, N):
     return max(1, min(next_pow2(N), TILE // (next_pow2(m) * next_pow2(C))))
 
 
-# ----------------------------------------------------------------------------- depth mixing
+def on_device(values, device):
+    """A few host integers (addresses, indices) as an int64 tensor on `device`. On a GPU they go through
+    pinned memory asynchronously: a copy from pageable memory waits until the GPU has run every
+    queued kernel, and one per read made the host and the GPU take turns. (While a CUDA graph is
+    captured, the plain copy, which refuses loudly: a graph would replay a pinned buffer reused since.)"""
+    if device.type == 'cuda' and not torch.cuda.is_current_stream_capturing():
+        return torch.tensor(values, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def _address_table(tensors):
+    return on_device([t.data_ptr() for t in tensors], tensors[0].device)
+
+
+def accumulator(dtype):
+    """The precision a kernel computes in for inputs of `dtype`: float64 for float64, else float32
+    (half precision upcast, as upcast() does): (torch dtype, triton dtype)."""
+    return (torch.float64, tl.float64) if dtype == torch.float64 else (torch.float32, tl.float32)
+
+
+def common_dtype(sources):
+    dtypes = {v.dtype for v in sources}
+    return dtypes.pop() if len(dtypes) == 1 else functools.reduce(torch.promote_types, dtypes)
+
+
+def other_dtypes(sources, dtype):
+    return {v.dtype for v in sources} - {dtype}
+
+
+def promoted(sources, dtype):
+    """The kernels read every source through one pointer type, so sources of mixed dtypes (under
+    autocast: e float32, updates bfloat16) are promoted, as torch.stack does: temporary copies
+    inside each op, so that autograd keeps the sources themselves, not their copies."""
+    return [v.to(dtype).contiguous() for v in sources]
+
+
+# ============================================================================= 1. the depth mix
+#
+# m queries q_j (m, C) read a list of S sources v_s (B, T, C), with a bias b_js or none:
+#
+#     mixed_j = sum_s softmax_s(l_js) v_s,   l_js = q_j . RMSNorm(v_s) + b_js,   lse_j = logsumexp_s l_js
+#
+# (residuals.DepthAttention's read, for every query at once). A prior (mixed_0, lse_0), a read of
+# sources before, counts as one more source with value mixed_0 and logit lse_0, so that a read can be
+# continued later (the online softmax of the AttnRes paper's phase 2).
+
+# ----------------------------------------------------------------------------- the PyTorch twin
 
 def stacked(tensors):
     """torch.stack, or a view for a single tensor (a stack of one is a copy)."""
@@ -151,6 +207,10 @@ def inverse_rms(values):
     """1/RMS of each of the values (S, B, T, 1), from their norms (one pass over each)."""
     return rms_inverse_of_norm(stacked([torch.linalg.vector_norm(v, dim=-1, keepdim=True) for v in values]),
                                values[0].shape[-1])
+
+
+def _mix_dtype(sources, prior_mixed):
+    return common_dtype(sources if prior_mixed is None else [*sources, prior_mixed])
 
 
 def mix_torch(queries, bias, sources, prior_mixed, prior_lse, one, rinv=None):
@@ -280,6 +340,116 @@ def depth_mix(queries, bias, sources, backend, prior=None, one=False):
         return _triton_depth_mix(queries, bias, list(sources), prior_mixed, prior_lse, one)
     return DepthMix.apply(queries, bias, prior_mixed, prior_lse, one, *sources)
 
+
+# ----------------------------------------------------------------------------- reads that share their sources' gradients
+
+class SharedGrads:
+    """The finished sources of one forward, which every later block's phase-1 read and the output mixer
+    read again (eager). Each such source has one gradient tensor, which every read's backward adds its
+    share to; the source's first reader, the last of them to run backward (every later read depends on
+    its outputs), hands it to autograd, and the others return None for it, so autograd sums nothing
+    (one sum per later reader and source: WAV at 12 layers, 9.7 operators per sublayer with the
+    kernels). A backward that stops short of the first readers (autograd.grad with inputs inside the
+    model) leaves shares behind for a second backward through the same graph."""
+
+    def __init__(self, backend):
+        self.backend, self.seen, self.grads, self.rinv = backend, set(), {}, {}
+
+    def inverse_rms(self, sources):
+        """The sources' 1/RMS (S, B, T, 1) for the PyTorch twin, each source's computed once per forward."""
+        new = [v for v in sources if id(v) not in self.rinv]
+        if new:
+            self.rinv.update(zip(map(id, new), inverse_rms([upcast(v) for v in new]).unbind()))
+        return stacked([self.rinv[id(v)] for v in sources])
+
+    def read(self, queries, bias, sources, one=False):
+        """As depth_mix(queries, bias, sources, backend, one=one) -> (mixed, lse)."""
+        keys = [id(v) for v in sources]
+        if len(set(keys)) < len(keys) or self.backend == 'triton' and len(other_dtypes(sources, common_dtype(sources))) > 1:
+            return depth_mix(queries, bias, sources, self.backend, one=one)  # a source twice, or three dtypes
+        owned = [key not in self.seen for key in keys]
+        self.seen.update(keys)
+        return SharedRead.apply(queries, bias, self, keys, owned, one, *sources)
+
+
+def shared_grads(backend):
+    """A SharedGrads for one forward's phase-1 reads in eager mode, else None (compiled, the compiler
+    plans the sums)."""
+    return None if torch.compiler.is_compiling() else SharedGrads(backend)
+
+
+class SharedRead(torch.autograd.Function):
+    """One depth read of SharedGrads' sources: forward as depth_mix; backward, each source's share is
+    added into its shared gradient (by the kernel, or in the PyTorch twin's precision) and the
+    gradients of the sources this read owns (it read them first) are returned."""
+
+    @staticmethod
+    def forward(ctx, queries, bias, shared, keys, owned, one, *sources):
+        if shared.backend == 'triton':
+            mixed, lse = _triton_depth_mix(queries, bias, list(sources), None, None, one)
+            ctx.save_for_backward(queries, bias, mixed, saved_lse(ctx, lse, one), *sources)
+        else:
+            mixed, lse, saved = mix_torch(queries, bias, sources, None, None, one, shared.inverse_rms(sources))
+            ctx.save_for_backward(queries, bias, *saved, *sources)
+            mixed = cast(mixed, common_dtype(sources))
+        ctx.shared, ctx.keys, ctx.owned = shared, keys, owned
+        ctx.set_materialize_grads(False)  # an unused lse gets no gradient, rather than a tensor of zeros
+        return mixed, lse
+
+    @staticmethod
+    def backward(ctx, grad_mixed, grad_lse):
+        grads = ctx.shared.grads
+        if ctx.shared.backend == 'triton':
+            queries, bias, mixed, lse, *sources = ctx.saved_tensors
+            lse = ctx.lse if lse is None else lse
+            add = [int(key in grads) for key in ctx.keys]
+            for key, v in zip(ctx.keys, sources):
+                if key not in grads:  # the last reader of this source, the first to run backward
+                    grads[key] = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+            dq, extra = _triton_depth_mix_backward_shared(
+                queries, bias, sources, mixed, lse, torch.zeros_like(mixed) if grad_mixed is None else grad_mixed,
+                grad_lse, [grads[key] for key in ctx.keys], add)
+        else:
+            queries, bias, rinv, scores, weights, *sources = ctx.saved_tensors
+            dq, extra, shares = mix_torch_backward(queries, bias, sources, None, (rinv, scores, weights),
+                                                   grad_mixed, grad_lse, [grads.get(key) for key in ctx.keys])
+            grads.update(zip(ctx.keys, shares))
+        owned = [cast(grads.pop(key), v.dtype) if own else None for key, own, v in zip(ctx.keys, ctx.owned, sources)]
+        return dq, extra[0] if bias is not None else None, None, None, None, None, *owned
+
+
+# ----------------------------------------------------------------------------- the reads the twins make
+#
+# Three reads, by how many queries read and whether a prior row is given. A row is a read left open
+# for more sources: (mixed, lse), with lse_j = logsumexp of its logits. The reads of one query return
+# (B, T, C) as both backends write it: no view to drop the query dimension, nor its backward.
+
+def read_many_no_prior(queries, sources, bias, backend, shared=None):
+    """Phase 1: many queries (m, C) read the same sources in one pass, with no prior -> their m rows
+    (mixed, lse): (B, T, C), (B, T), for phase 2 to continue. Unbound once: indexing row k of the
+    whole tensor would give every row's backward a zero gradient of the whole size. `shared`: a
+    SharedGrads or None."""
+    mixed, lse = shared.read(queries, bias, sources) if shared else depth_mix(queries, bias, sources, backend)
+    return list(zip(mixed.unbind(), lse.unbind()))
+
+
+def read_one_with_prior(row, query, more, bias, backend):
+    """Phase 2: one query (1, C) continues its prior row (mixed, lse) from phase 1, merging further
+    sources that it alone reads (bias (1, S) or None) by an online softmax, in the same kernel that
+    reads them -> (B, T, C); the row's mixed as it is when there are none."""
+    return depth_mix(query, bias, more, backend, row, one=True)[0] if more else row[0]
+
+
+def read_one_no_prior(query, sources, bias, backend, shared=None):
+    """One query (1, C) reads the sources, with no prior (the output mixers, MGR's AttnPool while its
+    streams start), through a SharedGrads where given -> (B, T, C)."""
+    if shared:
+        return shared.read(query, bias, sources, one=True)[0]
+    return depth_mix(query, bias, sources, backend, one=True)[0]
+
+
+# ----------------------------------------------------------------------------- the Triton kernels
+
 if triton is not None:
     @triton.jit
     def _depth_mix_fwd(table, LOW, Q, BIAS, PRIOR, PRIOR_LSE, OUT, LSE, S, M, N, C, eps, HAS_BIAS: tl.constexpr,
@@ -386,40 +556,6 @@ if triton is not None:
         if HAS_BIAS:
             tl.store(DB + pid * M * S + rows[:, None] * S + srcs[None, :], db, mask=rmask[:, None] & (srcs[None, :] < S))
 
-def on_device(values, device):
-    """A few host integers (addresses, indices) as an int64 tensor on `device`. On a GPU they go through
-    pinned memory asynchronously: a copy from pageable memory waits until the GPU has run every
-    queued kernel, and one per read made the host and the GPU take turns. (While a CUDA graph is
-    captured, the plain copy, which refuses loudly: a graph would replay a pinned buffer reused since.)"""
-    if device.type == 'cuda' and not torch.cuda.is_current_stream_capturing():
-        return torch.tensor(values, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
-    return torch.tensor(values, dtype=torch.int64, device=device)
-
-
-def _address_table(tensors):
-    return on_device([t.data_ptr() for t in tensors], tensors[0].device)
-
-
-def accumulator(dtype):
-    """The precision a kernel computes in for inputs of `dtype`: float64 for float64, else float32
-    (half precision upcast, as upcast() does): (torch dtype, triton dtype)."""
-    return (torch.float64, tl.float64) if dtype == torch.float64 else (torch.float32, tl.float32)
-
-
-def triton_depth_mix(queries, bias, sources, prior=None):
-    """DepthMix in Triton: queries (m, C), bias (m, S) or None, a list of S sources (B, T, C), a prior
-    (mixed, lse) or None -> mixed (m, B, T, C), lse (m, B, T) (float32, or float64 for float64 sources)."""
-    return _triton_depth_mix(queries, bias, list(sources), *((None, None) if prior is None else prior), False)
-
-
-def common_dtype(sources):
-    dtypes = {v.dtype for v in sources}
-    return dtypes.pop() if len(dtypes) == 1 else functools.reduce(torch.promote_types, dtypes)
-
-
-def other_dtypes(sources, dtype):
-    return {v.dtype for v in sources} - {dtype}
-
 
 def readable(sources, dtype):
     """The depth-mix kernels read each source in the mix's dtype or in one other (under autocast: a
@@ -438,17 +574,6 @@ def source_table(sources, dtype, grads=(), add=()):
     written (0) or added to (1)."""
     return on_device([v.data_ptr() for v in sources] + [int(v.dtype != dtype) for v in sources]
                      + [g.data_ptr() for g in grads] + list(add), sources[0].device)
-
-
-def promoted(sources, dtype):
-    """The kernels read every source through one pointer type, so sources of mixed dtypes (under
-    autocast: e float32, updates bfloat16) are promoted, as torch.stack does: temporary copies
-    inside each op, so that autograd keeps the sources themselves, not their copies."""
-    return [v.to(dtype).contiguous() for v in sources]
-
-
-def _mix_dtype(sources, prior_mixed):
-    return common_dtype(sources if prior_mixed is None else [*sources, prior_mixed])
 
 
 @torch.library.custom_op('resroute::depth_mix', mutates_args=())
@@ -480,6 +605,39 @@ def _(queries, bias, sources, prior_mixed, prior_lse, one):
             queries.new_empty(rows + shape[:-1], dtype=accumulator(dtype)[0]))
 
 
+def saved_lse(ctx, lse, one):
+    """The lse a read saves for its backward. A single query's (one) has no reader after the read: it is
+    marked non-differentiable and kept on ctx instead (autograd detaches each output it saves, once when
+    saved and once when unpacked; a tensor without a graph node makes no reference cycle there) -> the
+    lse to save, or None (then ctx.lse)."""
+    ctx.lse = lse if one else None
+    if one:
+        ctx.mark_non_differentiable(lse)
+    return None if one else lse
+
+
+def _depth_mix_setup(ctx, inputs, output):
+    queries, bias, sources, prior_mixed, prior_lse, one = inputs
+    mixed, lse = output
+    ctx.save_for_backward(queries, bias, prior_mixed, prior_lse, mixed, saved_lse(ctx, lse, one), *sources)
+    ctx.set_materialize_grads(False)  # an unused lse gets no gradient, rather than a tensor of zeros
+
+
+def _depth_mix_grads(ctx, grad_mixed, grad_lse):
+    queries, bias, prior_mixed, prior_lse, mixed, lse, *sources = ctx.saved_tensors
+    lse = ctx.lse if lse is None else lse
+    if grad_mixed is None:  # only lse was used
+        grad_mixed = torch.zeros_like(mixed)
+    dq, grads, extra = _triton_depth_mix_backward(queries, bias, sources, prior_mixed, prior_lse, mixed, lse,
+                                                  grad_mixed, grad_lse)
+    extra = iter(extra)
+    db = next(extra) if bias is not None else None
+    return dq, db, grads, next(extra, None), next(extra, None), None
+
+
+_triton_depth_mix.register_autograd(_depth_mix_grads, setup_context=_depth_mix_setup)
+
+
 @torch.library.custom_op('resroute::depth_mix_backward', mutates_args=())
 def _triton_depth_mix_backward(queries: Tensor, bias: Optional[Tensor], sources: List[Tensor],
                                prior_mixed: Optional[Tensor], prior_lse: Optional[Tensor], mixed: Tensor, lse: Tensor,
@@ -491,6 +649,12 @@ def _triton_depth_mix_backward(queries: Tensor, bias: Optional[Tensor], sources:
     dq, extra = _depth_mix_backward_into(queries, bias, sources, prior_mixed, prior_lse, mixed, lse, grad_mixed,
                                          grad_lse, grads, [0] * len(sources))
     return dq, [cast(g, t) for g, t in zip(grads, dtypes)], extra
+
+
+@_triton_depth_mix_backward.register_fake
+def _(queries, bias, sources, prior_mixed, prior_lse, mixed, lse, grad_mixed, grad_lse):
+    extra = [t for t in (bias, prior_mixed, prior_lse) if t is not None]
+    return torch.empty_like(queries), [torch.empty_like(v) for v in sources], [torch.empty_like(t) for t in extra]
 
 
 def _depth_mix_backward_into(queries, bias, sources, prior_mixed, prior_lse, mixed, lse, grad_mixed, grad_lse,
@@ -528,151 +692,21 @@ def _triton_depth_mix_backward_shared(queries: Tensor, bias: Optional[Tensor], s
     return _depth_mix_backward_into(queries, bias, sources, None, None, mixed, lse, grad_mixed, grad_lse, grads, add)
 
 
-@_triton_depth_mix_backward.register_fake
-def _(queries, bias, sources, prior_mixed, prior_lse, mixed, lse, grad_mixed, grad_lse):
-    extra = [t for t in (bias, prior_mixed, prior_lse) if t is not None]
-    return torch.empty_like(queries), [torch.empty_like(v) for v in sources], [torch.empty_like(t) for t in extra]
+def triton_depth_mix(queries, bias, sources, prior=None):
+    """DepthMix in Triton: queries (m, C), bias (m, S) or None, a list of S sources (B, T, C), a prior
+    (mixed, lse) or None -> mixed (m, B, T, C), lse (m, B, T) (float32, or float64 for float64 sources)."""
+    return _triton_depth_mix(queries, bias, list(sources), *((None, None) if prior is None else prior), False)
 
 
-def saved_lse(ctx, lse, one):
-    """The lse a read saves for its backward. A single query's (one) has no reader after the read: it is
-    marked non-differentiable and kept on ctx instead (autograd detaches each output it saves, once when
-    saved and once when unpacked; a tensor without a graph node makes no reference cycle there) -> the
-    lse to save, or None (then ctx.lse)."""
-    ctx.lse = lse if one else None
-    if one:
-        ctx.mark_non_differentiable(lse)
-    return None if one else lse
+# ============================================================================= 2. the AttnRes family and WAV
+#
+# Full, Block and Delta AttnRes and WAV as their classes compute them, with every read a depth mix in
+# the AttnRes paper's two phases: the queries of a block (Full and Delta AttnRes: of a chunk of about
+# sqrt(L) sublayers) read the block's finished sources in one pass; each sublayer continues its row
+# with the sources of its own block. WAV's details are matched to their state's RMS (rms_match:
+# D~ = s D, s = min(rho, RMS(C) / (RMS(D) + eps)) per token, detached).
 
-
-def _depth_mix_setup(ctx, inputs, output):
-    queries, bias, sources, prior_mixed, prior_lse, one = inputs
-    mixed, lse = output
-    ctx.save_for_backward(queries, bias, prior_mixed, prior_lse, mixed, saved_lse(ctx, lse, one), *sources)
-    ctx.set_materialize_grads(False)  # an unused lse gets no gradient, rather than a tensor of zeros
-
-
-def _depth_mix_grads(ctx, grad_mixed, grad_lse):
-    queries, bias, prior_mixed, prior_lse, mixed, lse, *sources = ctx.saved_tensors
-    lse = ctx.lse if lse is None else lse
-    if grad_mixed is None:  # only lse was used
-        grad_mixed = torch.zeros_like(mixed)
-    dq, grads, extra = _triton_depth_mix_backward(queries, bias, sources, prior_mixed, prior_lse, mixed, lse,
-                                                  grad_mixed, grad_lse)
-    extra = iter(extra)
-    db = next(extra) if bias is not None else None
-    return dq, db, grads, next(extra, None), next(extra, None), None
-
-
-_triton_depth_mix.register_autograd(_depth_mix_grads, setup_context=_depth_mix_setup)
-
-
-# ----------------------------------------------------------------------------- reads that share their sources' gradients
-
-class SharedGrads:
-    """The finished sources of one forward, which every later block's phase-1 read and the output mixer
-    read again (eager). Each such source has one gradient tensor, which every read's backward adds its
-    share to; the source's first reader, the last of them to run backward (every later read depends on
-    its outputs), hands it to autograd, and the others return None for it, so autograd sums nothing
-    (one sum per later reader and source: WAV at 12 layers, 9.7 operators per sublayer with the
-    kernels). A backward that stops short of the first readers (autograd.grad with inputs inside the
-    model) leaves shares behind for a second backward through the same graph."""
-
-    def __init__(self, backend):
-        self.backend, self.seen, self.grads, self.rinv = backend, set(), {}, {}
-
-    def inverse_rms(self, sources):
-        """The sources' 1/RMS (S, B, T, 1) for the PyTorch twin, each source's computed once per forward."""
-        new = [v for v in sources if id(v) not in self.rinv]
-        if new:
-            self.rinv.update(zip(map(id, new), inverse_rms([upcast(v) for v in new]).unbind()))
-        return stacked([self.rinv[id(v)] for v in sources])
-
-    def read(self, queries, bias, sources, one=False):
-        """As depth_mix(queries, bias, sources, backend, one=one) -> (mixed, lse)."""
-        keys = [id(v) for v in sources]
-        if len(set(keys)) < len(keys) or self.backend == 'triton' and len(other_dtypes(sources, common_dtype(sources))) > 1:
-            return depth_mix(queries, bias, sources, self.backend, one=one)  # a source twice, or three dtypes
-        owned = [key not in self.seen for key in keys]
-        self.seen.update(keys)
-        return SharedRead.apply(queries, bias, self, keys, owned, one, *sources)
-
-
-def shared_grads(backend):
-    """A SharedGrads for one forward's phase-1 reads in eager mode, else None (compiled, the compiler
-    plans the sums)."""
-    return None if torch.compiler.is_compiling() else SharedGrads(backend)
-
-
-class SharedRead(torch.autograd.Function):
-    """One depth read of SharedGrads' sources: forward as depth_mix; backward, each source's share is
-    added into its shared gradient (by the kernel, or in the PyTorch twin's precision) and the
-    gradients of the sources this read owns (it read them first) are returned."""
-
-    @staticmethod
-    def forward(ctx, queries, bias, shared, keys, owned, one, *sources):
-        if shared.backend == 'triton':
-            mixed, lse = _triton_depth_mix(queries, bias, list(sources), None, None, one)
-            ctx.save_for_backward(queries, bias, mixed, saved_lse(ctx, lse, one), *sources)
-        else:
-            mixed, lse, saved = mix_torch(queries, bias, sources, None, None, one, shared.inverse_rms(sources))
-            ctx.save_for_backward(queries, bias, *saved, *sources)
-            mixed = cast(mixed, common_dtype(sources))
-        ctx.shared, ctx.keys, ctx.owned = shared, keys, owned
-        ctx.set_materialize_grads(False)  # an unused lse gets no gradient, rather than a tensor of zeros
-        return mixed, lse
-
-    @staticmethod
-    def backward(ctx, grad_mixed, grad_lse):
-        grads = ctx.shared.grads
-        if ctx.shared.backend == 'triton':
-            queries, bias, mixed, lse, *sources = ctx.saved_tensors
-            lse = ctx.lse if lse is None else lse
-            add = [int(key in grads) for key in ctx.keys]
-            for key, v in zip(ctx.keys, sources):
-                if key not in grads:  # the last reader of this source, the first to run backward
-                    grads[key] = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-            dq, extra = _triton_depth_mix_backward_shared(
-                queries, bias, sources, mixed, lse, torch.zeros_like(mixed) if grad_mixed is None else grad_mixed,
-                grad_lse, [grads[key] for key in ctx.keys], add)
-        else:
-            queries, bias, rinv, scores, weights, *sources = ctx.saved_tensors
-            dq, extra, shares = mix_torch_backward(queries, bias, sources, None, (rinv, scores, weights),
-                                                   grad_mixed, grad_lse, [grads.get(key) for key in ctx.keys])
-            grads.update(zip(ctx.keys, shares))
-        owned = [cast(grads.pop(key), v.dtype) if own else None for key, own, v in zip(ctx.keys, ctx.owned, sources)]
-        return dq, extra[0] if bias is not None else None, None, None, None, None, *owned
-
-
-# ----------------------------------------------------------------------------- the AttnRes family's schedules
-
-# Three reads, by how many queries read and whether a prior row is given. A row is a read left open
-# for more sources: (mixed, lse), with lse_j = logsumexp of its logits. The reads of one query return
-# (B, T, C) as both backends write it: no view to drop the query dimension, nor its backward.
-
-def read_many_no_prior(queries, sources, bias, backend, shared=None):
-    """Phase 1: many queries (m, C) read the same sources in one pass, with no prior -> their m rows
-    (mixed, lse): (B, T, C), (B, T), for phase 2 to continue. Unbound once: indexing row k of the
-    whole tensor would give every row's backward a zero gradient of the whole size. `shared`: a
-    SharedGrads or None."""
-    mixed, lse = shared.read(queries, bias, sources) if shared else depth_mix(queries, bias, sources, backend)
-    return list(zip(mixed.unbind(), lse.unbind()))
-
-
-def read_one_with_prior(row, query, more, bias, backend):
-    """Phase 2: one query (1, C) continues its prior row (mixed, lse) from phase 1, merging further
-    sources that it alone reads (bias (1, S) or None) by an online softmax, in the same kernel that
-    reads them -> (B, T, C); the row's mixed as it is when there are none."""
-    return depth_mix(query, bias, more, backend, row, one=True)[0] if more else row[0]
-
-
-def read_one_no_prior(query, sources, bias, backend, shared=None):
-    """One query (1, C) reads the sources, with no prior (the output mixers, MGR's AttnPool while its
-    streams start), through a SharedGrads where given -> (B, T, C)."""
-    if shared:
-        return shared.read(query, bias, sources, one=True)[0]
-    return depth_mix(query, bias, sources, backend, one=True)[0]
-
+# ----------------------------------------------------------------------------- the PyTorch twins
 
 def rows_of(queries, start, m):
     """The queries of sublayers start..start+m-1 as one (m, C) tensor for a phase-1 read; `queries`
@@ -769,6 +803,87 @@ def rms_match(details, state, rho, backend):
     return rms_match_torch(details, state, rho)
 
 
+def wav_plan(module, L):
+    """The types of the sources of every read of one WAV forward (-1: e, a block sum or PC; d >= 0: a
+    detail of type d): per block (start, m, the finished pool's types, and for each sublayer k the
+    types of the block's own sources it merges: none for k = 0, then PC and the begun details), and
+    the types of the whole pool at the end."""
+    blocks, pool = [], [-1]
+    for start in range(0, L, module.block_len):
+        m = min(module.block_len, L - start)
+        blocks.append((start, m, pool, [[] if k == 0 else [-1] + module.begun(m, k) for k in range(m)]))
+        pool = pool + [-1] + module.begun(m, m)
+    return blocks, pool
+
+
+def detail_biases(module, blocks, readout):
+    """Every read's bias, in the order wav() reads (each block's phase 1, its sublayers' phase 2, the
+    output mixer), gathered in one indexing of detail_bias padded with a zero column (type -1): one
+    operator forward and a few backward instead of several per read. -> a list of each read's rows x S
+    numbers, flat (the reads take the rows one after another: no view per read)."""
+    padded = F.pad(module.detail_bias, (1, 0))
+    width, index, shapes = padded.shape[1], [], []
+
+    def read(rows, types):
+        index.extend(r * width + t + 1 for r in rows for t in types)
+        shapes.append((len(rows), len(types)))
+    for start, m, pool, own in blocks:
+        read(range(start, start + m), pool)
+        for k in range(1, m):
+            read([start + k], own[k])
+    read([len(padded) - 1], readout)
+    flat = padded.flatten()[on_device(index, padded.device)].split([r * c for r, c in shapes])
+    return flat
+
+
+def accumulate(total, c, u):
+    """total + c u for a coefficient c: a number of the paper's fixed bases (+1, -1 or 0: a sum, a
+    difference or nothing, one operator at most) or a tensor entry of a learned basis."""
+    if isinstance(c, Tensor):
+        term = c.to(u.dtype) * u
+        return term if total is None else total + term
+    if c == 0:
+        return total
+    if total is None:
+        return u if c == 1 else -u
+    return total + u if c == 1 else total - u
+
+
+def wav(module, x, sublayers, backend):
+    """WAV in Block AttnRes's two phases: the queries of a block read the finished pool (e, the block
+    sums and their matched details) in one pass; each then merges PC and the block's partial details,
+    which are accumulated online (one tensor per detail type). The plan of the sources' types is made
+    first, so that every read's bias is gathered at once."""
+    queries, L = module.read.queries.split(1), len(sublayers)
+    blocks, types = wav_plan(module, L)
+    readout = types if module.detail_readout else [t for t in types if t < 0]  # conservative: e and block sums
+    biases = iter(detail_biases(module, blocks, readout))
+    sources, shared = [x], shared_grads(backend)  # the finished pool
+    for start, m, _, own in blocks:
+        coeffs = detail_signs(m, module.levels) if module.basis_delta is None else module.basis(m)
+        # a fixed basis may repeat a row (m = 2: phase and split are both (+1, -1)): accumulated once
+        same = [coeffs.index(row) if module.basis_delta is None else d for d, row in enumerate(coeffs)]
+        finished = read_many_no_prior(rows_of(queries, start, m), sources, next(biases), backend, shared)
+        partial = raw = None  # PC and the raw partial details P_d
+        for k in range(m):
+            more = [] if k == 0 else [partial] + rms_match([raw[d] for d in own[k][1:]], partial, module.rho, backend)
+            h = read_one_with_prior(finished[k], queries[start + k], more, next(biases) if k else None, backend)
+            u = sublayers[start + k](h)
+            partial = u if partial is None else partial + u
+            raw = [accumulate(None if raw is None else raw[d], coeffs[d][k], u) if same[d] == d else None
+                   for d in range(len(coeffs))]
+            raw = [raw[same[d]] for d in range(len(coeffs))]
+        begun = module.begun(m, m)
+        read_later = module.detail_readout or start + m < L  # (the last block's details: only by a detail readout)
+        sources = sources + [partial] + (rms_match([raw[d] for d in begun], partial, module.rho, backend) if read_later
+                                         else [None] * len(begun))
+    if not module.detail_readout:
+        sources = [s for s, t in zip(sources, types) if t < 0]
+    return read_one_no_prior(queries[L], sources, next(biases), backend, shared)
+
+
+# ----------------------------------------------------------------------------- the Triton kernels: WAV's RMS matching
+
 if triton is not None:
     @triton.jit
     def _rms_match_fwd(table, STATE, SCALE, D, N, C, rho, eps, ACC: tl.constexpr, BT: tl.constexpr,
@@ -863,86 +978,16 @@ def _rms_match_grads(ctx, grad_matched, grad_scales):
 _triton_rms_match.register_autograd(_rms_match_grads, setup_context=_rms_match_setup)
 
 
-def wav_plan(module, L):
-    """The types of the sources of every read of one WAV forward (-1: e, a block sum or PC; d >= 0: a
-    detail of type d): per block (start, m, the finished pool's types, and for each sublayer k the
-    types of the block's own sources it merges: none for k = 0, then PC and the begun details), and
-    the types of the whole pool at the end."""
-    blocks, pool = [], [-1]
-    for start in range(0, L, module.block_len):
-        m = min(module.block_len, L - start)
-        blocks.append((start, m, pool, [[] if k == 0 else [-1] + module.begun(m, k) for k in range(m)]))
-        pool = pool + [-1] + module.begun(m, m)
-    return blocks, pool
+# ============================================================================= 3. HC and mHC-lite: recomputed streams
+#
+# n streams H (B, T, n, C). Per sublayer i, connections from the streams give its input h = A_m^T H,
+# the mixed streams H' = A_r^T H and post, and H <- H' + post^T f(h) (HC: [A_m | A_r] and post = B,
+# static plus tanh of a projection of the RMS-normalised streams; mHC-lite: A_m = H_pre, A_r = H_res^T,
+# post = H_post, from the flattened streams' projection). The readout: HC's mean, mHC-lite's sum of
+# the streams. The twins save no streams: a segment of about sqrt(L) sublayers keeps its input
+# streams and a few numbers per token, from which the backward rebuilds the streams.
 
-
-def detail_biases(module, blocks, readout):
-    """Every read's bias, in the order wav() reads (each block's phase 1, its sublayers' phase 2, the
-    output mixer), gathered in one indexing of detail_bias padded with a zero column (type -1): one
-    operator forward and a few backward instead of several per read. -> a list of each read's rows x S
-    numbers, flat (the reads take the rows one after another: no view per read)."""
-    padded = F.pad(module.detail_bias, (1, 0))
-    width, index, shapes = padded.shape[1], [], []
-
-    def read(rows, types):
-        index.extend(r * width + t + 1 for r in rows for t in types)
-        shapes.append((len(rows), len(types)))
-    for start, m, pool, own in blocks:
-        read(range(start, start + m), pool)
-        for k in range(1, m):
-            read([start + k], own[k])
-    read([len(padded) - 1], readout)
-    flat = padded.flatten()[on_device(index, padded.device)].split([r * c for r, c in shapes])
-    return flat
-
-
-def accumulate(total, c, u):
-    """total + c u for a coefficient c: a number of the paper's fixed bases (+1, -1 or 0: a sum, a
-    difference or nothing, one operator at most) or a tensor entry of a learned basis."""
-    if isinstance(c, Tensor):
-        term = c.to(u.dtype) * u
-        return term if total is None else total + term
-    if c == 0:
-        return total
-    if total is None:
-        return u if c == 1 else -u
-    return total + u if c == 1 else total - u
-
-
-def wav(module, x, sublayers, backend):
-    """WAV in Block AttnRes's two phases: the queries of a block read the finished pool (e, the block
-    sums and their matched details) in one pass; each then merges PC and the block's partial details,
-    which are accumulated online (one tensor per detail type). The plan of the sources' types is made
-    first, so that every read's bias is gathered at once."""
-    queries, L = module.read.queries.split(1), len(sublayers)
-    blocks, types = wav_plan(module, L)
-    readout = types if module.detail_readout else [t for t in types if t < 0]  # conservative: e and block sums
-    biases = iter(detail_biases(module, blocks, readout))
-    sources, shared = [x], shared_grads(backend)  # the finished pool
-    for start, m, _, own in blocks:
-        coeffs = detail_signs(m, module.levels) if module.basis_delta is None else module.basis(m)
-        # a fixed basis may repeat a row (m = 2: phase and split are both (+1, -1)): accumulated once
-        same = [coeffs.index(row) if module.basis_delta is None else d for d, row in enumerate(coeffs)]
-        finished = read_many_no_prior(rows_of(queries, start, m), sources, next(biases), backend, shared)
-        partial = raw = None  # PC and the raw partial details P_d
-        for k in range(m):
-            more = [] if k == 0 else [partial] + rms_match([raw[d] for d in own[k][1:]], partial, module.rho, backend)
-            h = read_one_with_prior(finished[k], queries[start + k], more, next(biases) if k else None, backend)
-            u = sublayers[start + k](h)
-            partial = u if partial is None else partial + u
-            raw = [accumulate(None if raw is None else raw[d], coeffs[d][k], u) if same[d] == d else None
-                   for d in range(len(coeffs))]
-            raw = [raw[same[d]] for d in range(len(coeffs))]
-        begun = module.begun(m, m)
-        read_later = module.detail_readout or start + m < L  # (the last block's details: only by a detail readout)
-        sources = sources + [partial] + (rms_match([raw[d] for d in begun], partial, module.rho, backend) if read_later
-                                         else [None] * len(begun))
-    if not module.detail_readout:
-        sources = [s for s, t in zip(sources, types) if t < 0]
-    return read_one_no_prior(queries[L], sources, next(biases), backend, shared)
-
-
-# ----------------------------------------------------------------------------- HC and mHC-lite: recomputed streams
+# ----------------------------------------------------------------------------- the PyTorch twin
 
 def stream_mixing(A, H):
     """A^T H per token for streams H (N, n, C): A (N, n, m), or (n, m) for all tokens -> (N, m, C)."""
@@ -952,6 +997,11 @@ def stream_mixing(A, H):
 def advance(mixed, post, update):
     """The next streams H' + post^T f(h); post (..., n), or (..., n, 1) as the kernels write it."""
     return torch.addcmul(mixed, post if post.dim() == mixed.dim() else post.unsqueeze(-1), update.unsqueeze(-2))
+
+
+def flat_streams(H):
+    """Streams (..., n, C) as (N, n, C)."""
+    return H.view(-1, *H.shape[-2:])
 
 
 class StreamSegment:
@@ -1146,11 +1196,6 @@ class MHCStep(TorchStreamStep):
         return [g.to(p.dtype) for g, p in zip([d_alpha, d_bias, d_W * self.alpha.unsqueeze(1)], self.params)]
 
 
-def flat_streams(H):
-    """Streams (..., n, C) as (N, n, C)."""
-    return H.view(-1, *H.shape[-2:])
-
-
 class TorchStreamMix(torch.autograd.Function):
     """(h, H', post) of sublayer i with a TorchStreamStep, saving no streams: the segment keeps what
     the step saves, from which the backward's replay rebuilds the streams. The step sees the tokens
@@ -1185,6 +1230,34 @@ class TorchStreamMix(torch.autograd.Function):
                                        grad_post if grad_post.dim() == 1 else grad_post.reshape(-1, n))
         grads = ctx.step.take() if ctx.i == 0 else [None] * len(ctx.step.params)
         return grad_H.view(H.shape), None, None, *grads
+
+
+class Advance(torch.autograd.Function):
+    """H' + post^T f(h) (advance) with a one-kernel backward (PyTorch: two batched products). With
+    post_again (a function), post is computed again in the backward instead of saved."""
+
+    @staticmethod
+    def forward(ctx, mixed, post, update, backend, post_again=None):
+        ctx.save_for_backward(None if post_again else post, update)
+        ctx.backend, ctx.post_again, ctx.post_shape = backend, post_again, post.shape
+        return advance(mixed, post, update)
+
+    @staticmethod
+    def backward(ctx, grad):
+        post, update = ctx.saved_tensors
+        if ctx.post_again:
+            post = ctx.post_again().view(ctx.post_shape)
+        if ctx.backend == 'triton':
+            d_update, d_post = _triton_advance_backward(grad, update, post)
+        elif post.dim() == 1:  # static HC's post (n,), the same for every token
+            d_update = torch.matmul(post.to(grad.dtype), grad)
+            d_post = torch.matmul(grad, update.unsqueeze(-1).to(grad.dtype)).sum_to_size(post.shape + (1,)).squeeze(-1)
+        else:  # d u = sum_s post_s G_s, d post_s = G_s . u per token
+            n, C = grad.shape[-2:]
+            G = grad.reshape(-1, n, C)
+            d_update = torch.bmm(post.reshape(-1, 1, n).to(G.dtype), G).view(update.shape)
+            d_post = torch.bmm(update.reshape(-1, 1, C).to(G.dtype), G.mT).view(post.shape)  # (as a row: 5x faster on a CPU)
+        return grad, d_post, d_update, None, None
 
 
 def streams(coefficients, module, x, sublayers, backend):
@@ -1222,17 +1295,6 @@ def streams(coefficients, module, x, sublayers, backend):
     return module.readout(H)
 
 
-def triton_stream_params(connections):
-    """The kind of step and the stacked parameters (L, ...) the kernels read sublayer i's rows of: HC
-    [width, depth, s_a, s_b] (static: [width, depth]), mHC-lite [alpha, bias, the permutations as
-    stream indices]."""
-    if hasattr(connections, 'permutations'):
-        return MHC, [connections.alpha, connections.bias, connections.permutations.argmax(-1).to(torch.int32)]
-    if connections.dynamic:
-        return HC, [connections.width, connections.depth, connections.width_scale, connections.depth_scale]
-    return HC_STATIC, [connections.width, connections.depth]
-
-
 def compiled_streams(module, connections, H, sublayers):
     """The class's maths for the compiler from the streams H, with the mixing written as n broadcast
     multiply-adds (inductor fuses them with the update into one loop; A^T H would stay a batched
@@ -1248,7 +1310,7 @@ def compiled_streams(module, connections, H, sublayers):
     return module.readout(H)
 
 
-# ----------------------------------------------------------------------------- HC and mHC-lite: the Triton step
+# ----------------------------------------------------------------------------- the Triton kernels: one step a sublayer
 #
 # One kernel per sublayer forward: the RMS of the streams, the projection XW (HC: each stream's (C, n + 2)
 # product, in the same pass over the columns; mHC-lite's (n C, 2n + n!) one: a GEMM outside, by cuBLAS),
@@ -1606,34 +1668,6 @@ def _triton_advance_backward(grad: Tensor, update: Tensor, post: Tensor) -> Tupl
     return d_update, d_post
 
 
-class Advance(torch.autograd.Function):
-    """H' + post^T f(h) (advance) with a one-kernel backward (PyTorch: two batched products). With
-    post_again (a function), post is computed again in the backward instead of saved."""
-
-    @staticmethod
-    def forward(ctx, mixed, post, update, backend, post_again=None):
-        ctx.save_for_backward(None if post_again else post, update)
-        ctx.backend, ctx.post_again, ctx.post_shape = backend, post_again, post.shape
-        return advance(mixed, post, update)
-
-    @staticmethod
-    def backward(ctx, grad):
-        post, update = ctx.saved_tensors
-        if ctx.post_again:
-            post = ctx.post_again().view(ctx.post_shape)
-        if ctx.backend == 'triton':
-            d_update, d_post = _triton_advance_backward(grad, update, post)
-        elif post.dim() == 1:  # static HC's post (n,), the same for every token
-            d_update = torch.matmul(post.to(grad.dtype), grad)
-            d_post = torch.matmul(grad, update.unsqueeze(-1).to(grad.dtype)).sum_to_size(post.shape + (1,)).squeeze(-1)
-        else:  # d u = sum_s post_s G_s, d post_s = G_s . u per token
-            n, C = grad.shape[-2:]
-            G = grad.reshape(-1, n, C)
-            d_update = torch.bmm(post.reshape(-1, 1, n).to(G.dtype), G).view(update.shape)
-            d_post = torch.bmm(update.reshape(-1, 1, C).to(G.dtype), G.mT).view(post.shape)  # (as a row: 5x faster on a CPU)
-        return grad, d_post, d_update, None, None
-
-
 class StreamGrads:
     """The gradients of the stacked connection parameters (L, ...) in one forward with the Triton
     kernels: sublayer i's backward sums its programs' partial sums into its row (parts,), and sublayer
@@ -1708,7 +1742,27 @@ class TritonStreamMix(torch.autograd.Function):
         return d_H, grad_W, None, None, *(grads + [None] * (len(params) - len(grads)))
 
 
-# ----------------------------------------------------------------------------- MGR step
+def triton_stream_params(connections):
+    """The kind of step and the stacked parameters (L, ...) the kernels read sublayer i's rows of: HC
+    [width, depth, s_a, s_b] (static: [width, depth]), mHC-lite [alpha, bias, the permutations as
+    stream indices]."""
+    if hasattr(connections, 'permutations'):
+        return MHC, [connections.alpha, connections.bias, connections.permutations.argmax(-1).to(torch.int32)]
+    if connections.dynamic:
+        return HC, [connections.width, connections.depth, connections.width_scale, connections.depth_scale]
+    return HC_STATIC, [connections.width, connections.depth]
+
+
+# ============================================================================= 4. MGR: the fused step
+#
+# n streams s_j, started by e and the first n - 1 updates; each later sublayer's update u moves every
+# stream by its gate, s_j <- s_j + beta_j (u - s_j), beta from the streams' own RMS-normalised scores
+# (competitive: a softmax with a keep logit; independent: sigmoids), and the next sublayer reads
+# h = AttnPool(s) (residuals.MultiGateResiduals). One step does the gates, the update and the next
+# AttnPool in one pass over the streams; its backward can rebuild the step's input streams from its
+# output by inverting the update (see mgr).
+
+# ----------------------------------------------------------------------------- the PyTorch twin
 
 def _gates(z, bias, competitive):
     """beta (n, N) from scores z (n, N): softmax with a keep logit, or independent sigmoids."""
@@ -1784,6 +1838,104 @@ def mgr_step_backward_torch(x, u, gate_query, gate_bias, pool_query, beta, alpha
     grad_gate = torch.mv(s.reshape(-1, C).T, scaled.reshape(-1)).view_as(gate_query)
     return (d_s.to(x.dtype), grad_u.to(u.dtype), grad_gate, grad_bias.reshape(1), grad_pool, s)
 
+
+class MGRStep(torch.autograd.Function):
+    """One gated MGR sublayer: s_j <- s_j + beta_j (u - s_j), then h = AttnPool(s) for the next
+    sublayer, in one pass. Without a tape it saves its input streams. With a `tape` (a dict shared
+    by the steps of one forward) the backward inverts the lerp instead: only the last step saves its
+    output streams; every step's backward rebuilds its input from its output and leaves it on the
+    tape for the step before (backwards run in reverse order, so each finds its output there)."""
+
+    @staticmethod
+    def forward(ctx, streams, u, gate_query, gate_bias, pool_query, competitive, fallback_p, tape, step, last,
+                backend, rinv):
+        keep = min(fallback_p, streams.shape[0]) if tape is not None else 0
+        args = streams, u, gate_query, gate_bias, pool_query, competitive, keep
+        if backend == 'triton':  # (the backward kernel computes the scores again)
+            (new, h, beta, alpha, index, kept), scores = triton_mgr_step(*args), ()
+        else:
+            new, h, beta, alpha, index, kept, scores = mgr_step_torch(*args, rinv)
+        streams_kept = [streams] if tape is None else [new] if last else []
+        ctx.save_for_backward(u, gate_query, gate_bias, pool_query, beta, alpha, index, kept, *scores, *streams_kept)
+        ctx.competitive, ctx.tape, ctx.step, ctx.backend, ctx.n_scores = competitive, tape, step, backend, len(scores)
+        # the new streams' 1/RMS, the next step's (PyTorch; exact only where the streams keep its precision)
+        rinv_new = scores[2] if scores and scores[2].dtype == new.dtype else None
+        ctx.mark_non_differentiable(beta, alpha, index, kept, *[] if rinv_new is None else [rinv_new])
+        ctx.set_materialize_grads(False)  # no tensors of zeros made for those
+        return new, h, beta, alpha, index, kept, rinv_new
+
+    @staticmethod
+    def backward(ctx, grad_new, grad_h, *_):
+        u, gate_query, gate_bias, pool_query, beta, alpha, index, kept, *saved = ctx.saved_tensors
+        scores, saved = saved[:ctx.n_scores], saved[ctx.n_scores:]
+        if grad_new is None:  # (the last step's streams: only its h is read)
+            grad_new = u.new_zeros(beta.shape + u.shape[-1:])
+        if grad_h is None:
+            grad_h = torch.zeros_like(u)
+        invert = ctx.tape is not None
+        if saved:
+            x = saved[0]
+        elif ctx.step in ctx.tape:
+            x = ctx.tape.pop(ctx.step)
+        else:
+            raise RuntimeError("MGR's inverting backward must start at the last step (each step rebuilds its input "
+                               "from the step after); to backpropagate from an inner step use mgr_fallback_p=-1")
+        args = x, u, gate_query, gate_bias, pool_query, beta, alpha, index, kept, grad_new, grad_h, ctx.competitive, invert
+        if ctx.backend == 'triton':
+            d_s, d_u, d_gate, d_bias, d_pool, rebuilt = triton_mgr_step_backward(*args)
+        else:
+            d_s, d_u, d_gate, d_bias, d_pool, rebuilt = mgr_step_backward_torch(*args, scores)
+        if invert:
+            ctx.tape[ctx.step - 1] = rebuilt.to(x.dtype)
+        return (d_s, d_u, d_gate.to(gate_query.dtype), d_bias.to(gate_bias.dtype), d_pool.to(pool_query.dtype),
+                None, None, None, None, None, None, None)
+
+
+def mgr_step(streams, u, gate_query, gate_bias, pool_query, competitive, fallback_p, tape, step, last, backend,
+             rinv=None):
+    """Fused MGR step: streams (n, B, T, C), u (B, T, C), gate_bias (1,) -> (new streams, h (B, T, C),
+    the new streams' 1/RMS for the next step (PyTorch) or None); see MGRStep. The kernels take the
+    tokens' shape as it is: no views around them."""
+    new, h, *_, rinv = MGRStep.apply(streams, u, gate_query, gate_bias, pool_query, competitive, fallback_p, tape,
+                                     step, last, backend, rinv)
+    return new, h, rinv
+
+
+def mgr(module, x, sublayers, backend):
+    """MGR with the fused step (gates, convex update, next AttnPool). In the accumulation phase the
+    streams are a list and each AttnPool is one depth read of them (AttnPool is DepthAttention;
+    through a SharedGrads, as the AttnRes family's); they are stacked once, where the gated phase
+    begins. The queries are scaled once and split, so that each sublayer takes its own without an
+    operator (and its gradient without a full-size zero).
+    The inversion's setting p is the module's `fallback_p`, which GPT.set_kernels sets from its
+    mgr_fallback_p (1 where unset; only this twin reads it). With p >= 0 in eager mode, the steps'
+    backwards invert the lerp, passing the rebuilt streams backwards on a tape local to this forward;
+    the originals of the p largest gates per token are kept. The plain step (torch, p = -1) is the
+    class's forward."""
+    fallback_p = getattr(module, 'fallback_p', 1)
+    if backend == 'torch' and fallback_p < 0:
+        return module(x, sublayers)
+    n, gates = module.n, module.gates
+    tape = {} if fallback_p >= 0 and not torch.compiler.is_compiling() else None  # Python state: eager only
+    pool_queries = (module.pool.queries * module.pool.scale).split(1)  # rows (1, C): the reads' and the steps'
+    gate_queries, gate_bias = (gates.queries * gates.scale).split(1), gates.bias.split(1)
+    started, streams, rinv, shared = [x], None, None, shared_grads(backend)  # s_1 = e, then a stream per update
+    h = read_one_no_prior(pool_queries[0], started, None, backend, shared)
+    for i, f in enumerate(sublayers):
+        u = f(h)
+        if i < n - 1:  # accumulation phase: the update starts a new stream
+            started.append(u)
+            h = read_one_no_prior(pool_queries[i + 1], started, None, backend, shared)
+        else:
+            if streams is None:
+                streams = torch.stack(started) if len(started) > 1 else x.unsqueeze(0)
+            j = i - (n - 1)
+            streams, h, rinv = mgr_step(streams, u, gate_queries[j], gate_bias[j], pool_queries[i + 1], gates.competitive,
+                                        fallback_p, tape, i, i == len(sublayers) - 1, backend, rinv)
+    return h
+
+
+# ----------------------------------------------------------------------------- the Triton kernels
 
 if triton is not None:
     @triton.jit
@@ -1893,6 +2045,7 @@ if triton is not None:
         tl.store(D_VP + pid * C + cols, d_vp, mask=cmask)
         tl.store(D_B + pid, tl.sum(d_b, axis=0))
 
+
 @torch.library.custom_op('resroute::mgr_step', mutates_args=())
 def triton_mgr_step(streams: Tensor, u: Tensor, gate_query: Tensor, gate_bias: Tensor, pool_query: Tensor,
                     competitive: bool, keep: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -1950,103 +2103,12 @@ def _(x, u, gate_query, gate_bias, pool_query, beta, alpha, index, kept, grad_ne
             torch.empty_like(x) if invert else x.new_empty(0))
 
 
-class MGRStep(torch.autograd.Function):
-    """One gated MGR sublayer: s_j <- s_j + beta_j (u - s_j), then h = AttnPool(s) for the next
-    sublayer, in one pass. Without a tape it saves its input streams. With a `tape` (a dict shared
-    by the steps of one forward) the backward inverts the lerp instead: only the last step saves its
-    output streams; every step's backward rebuilds its input from its output and leaves it on the
-    tape for the step before (backwards run in reverse order, so each finds its output there)."""
-
-    @staticmethod
-    def forward(ctx, streams, u, gate_query, gate_bias, pool_query, competitive, fallback_p, tape, step, last,
-                backend, rinv):
-        keep = min(fallback_p, streams.shape[0]) if tape is not None else 0
-        args = streams, u, gate_query, gate_bias, pool_query, competitive, keep
-        if backend == 'triton':  # (the backward kernel computes the scores again)
-            (new, h, beta, alpha, index, kept), scores = triton_mgr_step(*args), ()
-        else:
-            new, h, beta, alpha, index, kept, scores = mgr_step_torch(*args, rinv)
-        streams_kept = [streams] if tape is None else [new] if last else []
-        ctx.save_for_backward(u, gate_query, gate_bias, pool_query, beta, alpha, index, kept, *scores, *streams_kept)
-        ctx.competitive, ctx.tape, ctx.step, ctx.backend, ctx.n_scores = competitive, tape, step, backend, len(scores)
-        # the new streams' 1/RMS, the next step's (PyTorch; exact only where the streams keep its precision)
-        rinv_new = scores[2] if scores and scores[2].dtype == new.dtype else None
-        ctx.mark_non_differentiable(beta, alpha, index, kept, *[] if rinv_new is None else [rinv_new])
-        ctx.set_materialize_grads(False)  # no tensors of zeros made for those
-        return new, h, beta, alpha, index, kept, rinv_new
-
-    @staticmethod
-    def backward(ctx, grad_new, grad_h, *_):
-        u, gate_query, gate_bias, pool_query, beta, alpha, index, kept, *saved = ctx.saved_tensors
-        scores, saved = saved[:ctx.n_scores], saved[ctx.n_scores:]
-        if grad_new is None:  # (the last step's streams: only its h is read)
-            grad_new = u.new_zeros(beta.shape + u.shape[-1:])
-        if grad_h is None:
-            grad_h = torch.zeros_like(u)
-        invert = ctx.tape is not None
-        if saved:
-            x = saved[0]
-        elif ctx.step in ctx.tape:
-            x = ctx.tape.pop(ctx.step)
-        else:
-            raise RuntimeError("MGR's inverting backward must start at the last step (each step rebuilds its input "
-                               "from the step after); to backpropagate from an inner step use mgr_fallback_p=-1")
-        args = x, u, gate_query, gate_bias, pool_query, beta, alpha, index, kept, grad_new, grad_h, ctx.competitive, invert
-        if ctx.backend == 'triton':
-            d_s, d_u, d_gate, d_bias, d_pool, rebuilt = triton_mgr_step_backward(*args)
-        else:
-            d_s, d_u, d_gate, d_bias, d_pool, rebuilt = mgr_step_backward_torch(*args, scores)
-        if invert:
-            ctx.tape[ctx.step - 1] = rebuilt.to(x.dtype)
-        return (d_s, d_u, d_gate.to(gate_query.dtype), d_bias.to(gate_bias.dtype), d_pool.to(pool_query.dtype),
-                None, None, None, None, None, None, None)
-
-
-def mgr_step(streams, u, gate_query, gate_bias, pool_query, competitive, fallback_p, tape, step, last, backend,
-             rinv=None):
-    """Fused MGR step: streams (n, B, T, C), u (B, T, C), gate_bias (1,) -> (new streams, h (B, T, C),
-    the new streams' 1/RMS for the next step (PyTorch) or None); see MGRStep. The kernels take the
-    tokens' shape as it is: no views around them."""
-    new, h, *_, rinv = MGRStep.apply(streams, u, gate_query, gate_bias, pool_query, competitive, fallback_p, tape,
-                                     step, last, backend, rinv)
-    return new, h, rinv
-
-
-def mgr(module, x, sublayers, backend):
-    """MGR with the fused step (gates, convex update, next AttnPool). In the accumulation phase the
-    streams are a list and each AttnPool is one depth read of them (AttnPool is DepthAttention;
-    through a SharedGrads, as the AttnRes family's); they are stacked once, where the gated phase
-    begins. The queries are scaled once and split, so that each sublayer takes its own without an
-    operator (and its gradient without a full-size zero).
-    The inversion's setting p is the module's `fallback_p`, which GPT.set_kernels sets from its
-    mgr_fallback_p (1 where unset; only this twin reads it). With p >= 0 in eager mode, the steps'
-    backwards invert the lerp, passing the rebuilt streams backwards on a tape local to this forward;
-    the originals of the p largest gates per token are kept. The plain step (torch, p = -1) is the
-    class's forward."""
-    fallback_p = getattr(module, 'fallback_p', 1)
-    if backend == 'torch' and fallback_p < 0:
-        return module(x, sublayers)
-    n, gates = module.n, module.gates
-    tape = {} if fallback_p >= 0 and not torch.compiler.is_compiling() else None  # Python state: eager only
-    pool_queries = (module.pool.queries * module.pool.scale).split(1)  # rows (1, C): the reads' and the steps'
-    gate_queries, gate_bias = (gates.queries * gates.scale).split(1), gates.bias.split(1)
-    started, streams, rinv, shared = [x], None, None, shared_grads(backend)  # s_1 = e, then a stream per update
-    h = read_one_no_prior(pool_queries[0], started, None, backend, shared)
-    for i, f in enumerate(sublayers):
-        u = f(h)
-        if i < n - 1:  # accumulation phase: the update starts a new stream
-            started.append(u)
-            h = read_one_no_prior(pool_queries[i + 1], started, None, backend, shared)
-        else:
-            if streams is None:
-                streams = torch.stack(started) if len(started) > 1 else x.unsqueeze(0)
-            j = i - (n - 1)
-            streams, h, rinv = mgr_step(streams, u, gate_queries[j], gate_bias[j], pool_queries[i + 1], gates.competitive,
-                                        fallback_p, tape, i, i == len(sublayers) - 1, backend, rinv)
-    return h
-
-
-# ----------------------------------------------------------------------------- DenseFormer and MUDD: the states in one buffer
+# ============================================================================= 5. DenseFormer and MUDD: the states in one buffer
+#
+# After each layer (DenseFormer: each group of layers), a mix of the states X_0..X_r so far: scalar
+# weights for DenseFormer's average, per-token weights of each way for MUDD. The twins copy each
+# state once into one buffer, and each mix is one product over it. PyTorch only (both backends run
+# these twins): each mix is one matrix product already.
 
 class DenseStates:
     """The states X_0..X_R of one forward of a dense method, each copied once into one buffer, so that
@@ -2154,6 +2216,8 @@ def mudd(module, x, sublayers, backend):
         ways = mixed.view(*x.shape[:-1], len(w), x.shape[-1]).unbind(-2)
     return ways[0]
 
+
+# ============================================================================= the twins by class
 
 # the fast twins, by the class of residuals.py whose maths each computes (route looks up the exact class)
 FAST = {residuals.AttnRes: attnres, residuals.BlockAttnRes: block_attnres, residuals.DeltaAttnRes: delta_attnres,
