@@ -42,17 +42,17 @@ GRIDS = {
     # the CPU depth trend: prenorm, block_attnres and wav at 48, 24 and 12 layers of width 64, three seeds, then
     # (in the order of what each decides) WAV against Block AttnRes at 48 layers to eight seeds, the dense
     # baselines at 12 and 24 layers, then at 48, then WAV against Block AttnRes at 24 layers to eight seeds.
-    # Deepest first within each part: the long runs start early and the short ones fill in.
+    # The extra seeds run seed by seed, so that each finished pair is a comparison.
     'cpu_depth': [dict(configs=[['config/cpu_depth.py', f'--n_layer={n}'] for n in (48, 24, 12)],
                        variants=[[f'--residual={r}'] for r in ('prenorm', 'block_attnres', 'wav')], seeds=[0, 1, 2]),
-                  dict(configs=[['config/cpu_depth.py', '--n_layer=48']],
-                       variants=[['--residual=block_attnres'], ['--residual=wav']], seeds=[3, 4, 5, 6, 7]),
+                  *[dict(configs=[['config/cpu_depth.py', '--n_layer=48']],
+                         variants=[['--residual=block_attnres'], ['--residual=wav']], seeds=[seed]) for seed in range(3, 8)],
                   dict(configs=[['config/cpu_depth.py', f'--n_layer={n}'] for n in (24, 12)],
                        variants=[['--residual=mudd'], ['--residual=denseformer']], seeds=[0, 1, 2]),
                   dict(configs=[['config/cpu_depth.py', '--n_layer=48']],
                        variants=[['--residual=mudd'], ['--residual=denseformer']], seeds=[0, 1, 2]),
-                  dict(configs=[['config/cpu_depth.py', '--n_layer=24']],
-                       variants=[['--residual=block_attnres'], ['--residual=wav']], seeds=[3, 4, 5, 6, 7])],
+                  *[dict(configs=[['config/cpu_depth.py', '--n_layer=24']],
+                         variants=[['--residual=block_attnres'], ['--residual=wav']], seeds=[seed]) for seed in range(3, 8)]],
     # the learning rate of cpu_methods: prenorm and block_attnres at four rates, one seed
     'cpu_lr': dict(configs=[['config/cpu_methods.py']],
                    variants=[[f'--residual={r}', f'--learning_rate={lr}', f'--min_lr={lr / 10:g}']
