@@ -23,13 +23,14 @@ After the helpers they share, the file goes family by family, each in one order:
 (a comment), its PyTorch twin, then its Triton kernels (defined only where triton imports) and the
 custom ops that launch them.
 
-1. The depth mix (the AttnRes family's and WAV's reads, MGR's AttnPool): m queries read a list of S
-   sources (B, T, C). DepthMix in PyTorch works one source at a time; the Triton kernel runs one
-   program per tile of tokens (one token at GPT-2's widths, several at small ones: token_tile) and
-   reads each source once in the forward (RMS, dots with every query and an online softmax in one
-   pass) and once in the backward. The sources are never stacked. A read may continue a prior one
-   (its mixed and log-sum-exp); SharedGrads gives the sources read again by later blocks one
-   gradient each. The reads: read_many_no_prior, read_one_with_prior, read_one_no_prior.
+1. The depth mix (the AttnRes family's and WAV's reads, MGR's AttnPool while its streams start): m
+   queries read a list of S sources (B, T, C). DepthMix in PyTorch works one source at a time; the
+   Triton kernel runs one program per tile of tokens (one token at GPT-2's widths, several at small
+   ones: token_tile) and reads each source once in the forward (RMS, dots with every query and an
+   online softmax in one pass) and once in the backward. The sources are never stacked. A read may
+   continue a prior one (its mixed and log-sum-exp); SharedGrads gives the sources read again by
+   later blocks one gradient each. The reads: read_many_no_prior, read_one_with_prior,
+   read_one_no_prior.
 
 2. The AttnRes family and WAV, in two-phase reads (the AttnRes paper's schedule): the queries of a
    block (or of a chunk of about sqrt(L) sublayers for Full and Delta AttnRes) read the finished
@@ -1459,9 +1460,120 @@ if triton is not None:
                  mask=tmask[:, None] & kmask[None, :])
 
     @triton.jit
+    def _mixing_grad(G_H, G_MIXED, t, j, cols, tj, t0, cmask, n, C, ACC: tl.constexpr):
+        """The gradient G of A^T H at the tokens t and columns cols (BT, NP1, BC): row 0 h's, rows 1..n H''s."""
+        G = tl.load(G_MIXED + t[:, None, None] * n * C + (j[None, :, None] - 1) * C + cols[None, None, :],
+                    mask=tj & cmask, other=0.).to(ACC)
+        G += tl.load(G_H + t[:, None, None] * C + j[None, :, None] * 0 + cols[None, None, :], mask=t0 & cmask,
+                     other=0.).to(ACC)
+        return G
+
+    @triton.jit
+    def _mixing_grams(H, G_H, G_MIXED, streams, t, j, c, tk3, tj, t0, n, C, ACC: tl.constexpr, BT: tl.constexpr,
+                      NP: tl.constexpr, NP1: tl.constexpr, BC: tl.constexpr):
+        """A pass over the columns for the tokens t: d loss / d A^T[j, s] = G_j . H_s (BT, NP1, NP), G_0 the
+        gradient of h, G_j of H'_j, and the streams' sums of squares (BT, NP)."""
+        g_AT = tl.zeros((BT, NP1, NP), ACC)
+        ss = tl.zeros((BT, NP), ACC)
+        for c0 in range(0, C, BC):
+            cols = c0 + c
+            cmask = (cols < C)[None, None, :]
+            HT = tl.load(H + streams + cols[None, None, :], mask=tk3 & cmask, other=0.).to(ACC)
+            G = _mixing_grad(G_H, G_MIXED, t, j, cols, tj, t0, cmask, n, C, ACC)
+            g_AT += tl.sum(G[:, :, None, :] * HT[:, None, :, :], axis=3)
+            ss += tl.sum(HT * HT, axis=2)
+        return g_AT, ss
+
+    @triton.jit
+    def _mhc_connections_bwd(P0, D_XW, t, tmask, tk, k, j, p, pmask, e, r, g_AT, g_post, post, perm, w, p_pre, p_post,
+                             p_res, h_pre, n, C, K, ACC: tl.constexpr):
+        """mHC-lite's connections backward for the tokens t, from d A^T (g_AT) and d post: writes d XW (the
+        GEMMs outside take it on to the streams and W) and returns the RMS's share of d H per stream
+        (BT, 1) and the tile's sums of the gradients of the bias (pre, post, res) and of alpha (e: 0..2)."""
+        a_pre, a_post, a_res = tl.load(P0).to(ACC), tl.load(P0 + 1).to(ACC), tl.load(P0 + 2).to(ACC)
+        du = tl.sum(tl.where(j[None, :, None] == 0, g_AT, 0.), axis=1) * h_pre * (1 - h_pre)
+        dv = g_post * post * (1 - post / 2)
+        # d loss / d w_p = sum_j g_AT[j, perm_p(j)]
+        g_w = tl.sum(tl.sum(tl.where(perm[None, :, :, None] == k[None, None, None, :], g_AT[:, None, :, :], 0.),
+                            axis=3), axis=2)
+        dz = w * (g_w - tl.sum(w * g_w, axis=1)[:, None])
+        dtype = D_XW.dtype.element_ty
+        tl.store(D_XW + t[:, None] * K + k[None, :], (r[:, None] * a_pre * du).to(dtype), mask=tk)
+        tl.store(D_XW + t[:, None] * K + n + k[None, :], (r[:, None] * a_post * dv).to(dtype), mask=tk)
+        tl.store(D_XW + t[:, None] * K + 2 * n + p[None, :], (r[:, None] * a_res * dz).to(dtype),
+                 mask=tmask[:, None] & pmask[None, :])
+        s_pre, s_post = tl.sum(du * p_pre, axis=1), tl.sum(dv * p_post, axis=1)
+        s_res = tl.sum(dz * p_res, axis=1)
+        corr = (r * r * (a_pre * s_pre + a_post * s_post + a_res * s_res) / (n * C))[:, None]
+        d_a = tl.where(e == 0, tl.sum(s_pre, axis=0), tl.where(e == 1, tl.sum(s_post, axis=0),
+                                                             tl.where(e == 2, tl.sum(s_res, axis=0), 0.)))
+        # (tokens outside the tile: all zero)
+        return corr, tl.sum(du, axis=0), tl.sum(dv, axis=0), tl.sum(dz, axis=0), d_a
+
+    @triton.jit
+    def _hc_connections_bwd(P2, P3, e, r, g_AT, g_post, PT, TT, pb, tb, C, ACC: tl.constexpr):
+        """Dynamic HC's connections backward for a tile of tokens, through the tanh: returns d XW (its columns
+        0..n transposed (BT, NP1, NP), and column n + 1 (BT, NP)), the RMS's share of d H per stream
+        (BT, NP) and the tile's sums of the gradients of s_a and s_b (e: 0, 1)."""
+        s_a, s_b = tl.load(P2).to(ACC), tl.load(P3).to(ACC)
+        dPT = s_a * (1 - TT * TT) * g_AT
+        dpb = s_b * (1 - tb * tb) * g_post
+        corr = r * r * (tl.sum(dPT * PT, axis=1) + dpb * pb) / C
+        d_a = tl.where(e == 0, tl.sum(tl.sum(tl.sum(TT * g_AT, axis=2), axis=1), axis=0), 0.)
+        d_a += tl.where(e == 1, tl.sum(tl.sum(tb * g_post, axis=1), axis=0), 0.)
+        return r[:, None, :] * dPT, r * dpb, corr, d_a
+
+    @triton.jit
+    def _streams_grad(H, W, G_H, G_MIXED, D_H, part_w, AT, corr, d_xa, d_xb, later, streams, t, k, j, c, jmask,
+                      tk3, tj, t0, n, C, K, KIND: tl.constexpr, ACC: tl.constexpr, BC: tl.constexpr):
+        """A second pass over the columns for the tokens t: d H_s = sum_j A^T[j, s] G_j - corr_s H_s written
+        (+ HC: d XW_s W^T, and W's gradient H^T d XW in this program's part of PART, at part_w: written by
+        the program's first tile, added to by its `later` ones)."""
+        for c0 in range(0, C, BC):
+            cols = c0 + c
+            cmask = (cols < C)[None, None, :]
+            HT = tl.load(H + streams + cols[None, None, :], mask=tk3 & cmask, other=0.).to(ACC)
+            G = _mixing_grad(G_H, G_MIXED, t, j, cols, tj, t0, cmask, n, C, ACC)
+            dH = tl.sum(AT[:, :, :, None] * G[:, :, None, :], axis=1) - corr[:, :, None] * HT
+            if KIND == 0:  # XW = H W per stream: H gets d XW W^T; W gets H^T d XW, in this program's part
+                at_a = part_w + cols[None, :] * K + j[:, None]  # W[c, j], j = 0..n (the width columns)
+                m_a = jmask[:, None] & (cols < C)[None, :]
+                dH += tl.sum(d_xa[:, :, :, None] * tl.load(W + cols[None, :] * K + j[:, None], mask=m_a,
+                                                             other=0.).to(ACC)[None, :, None, :], axis=1)
+                w_b = tl.load(W + cols * K + n + 1, mask=cols < C, other=0.).to(ACC)  # W[c, n + 1] (depth)
+                dH += d_xb[:, :, None] * w_b[None, None, :]
+                g_a = tl.sum(tl.sum(d_xa[:, :, :, None] * HT[:, None, :, :], axis=2), axis=0)
+                g_b = tl.sum(tl.sum(d_xb[:, :, None] * HT, axis=1), axis=0)
+                g_a += tl.where(later, tl.load(at_a, mask=m_a, other=0.), 0.)
+                g_b += tl.where(later, tl.load(part_w + cols * K + n + 1, mask=cols < C, other=0.), 0.)
+                tl.store(at_a, g_a, mask=m_a)
+                tl.store(part_w + cols * K + n + 1, g_b, mask=cols < C)
+            tl.store(D_H + t[:, None, None] * n * C + k[None, :, None] * C + cols[None, None, :],
+                     dH.to(D_H.dtype.element_ty), mask=tk3 & cmask)
+
+    @triton.jit
+    def _stream_parts_store(part, d_AT, d_post, d_pre, d_z, d_a, k, j, p, e, kmask, pmask, m2, n,
+                            KIND: tl.constexpr):
+        """A program's partial sums of the parameters' gradients, at `part`: mHC-lite [alpha (3) | bias: pre
+        (n), post (n), res (n!)]; HC [width (n, n+1) | depth (n) | s_a, s_b | W (C, K), by _streams_grad]."""
+        if KIND == 2:
+            tl.store(part + e, d_a, mask=e < 3)
+            tl.store(part + 3 + k, d_pre, mask=kmask)
+            tl.store(part + 3 + n + k, d_post, mask=kmask)
+            tl.store(part + 3 + 2 * n + p, d_z, mask=pmask)
+        else:
+            tl.store(part + k[None, :] * (n + 1) + j[:, None], d_AT, mask=m2)
+            tl.store(part + n * (n + 1) + k, d_post, mask=kmask)
+            if KIND == 0:
+                tl.store(part + n * (n + 1) + n + e, d_a, mask=e < 2)
+
+    @triton.jit
     def _stream_mix_bwd(H, W, XW, P0, P1, P2, P3, G_H, G_MIXED, G_POST, D_H, D_XW, PART, i, stride_t, stride_k, N,
                         n, C, K, n_perm, n_part, eps, KIND: tl.constexpr, ACC: tl.constexpr, BT: tl.constexpr,
                         NP: tl.constexpr, NP1: tl.constexpr, PP: tl.constexpr, BC: tl.constexpr):
+        # per tile of tokens: d A^T and the RMS in a pass over the columns, the connections again, their
+        # backward (mHC-lite's or HC's), and d H in a second pass; the parameters' gradients summed per program
+        # (the helpers are inlined: one kernel, one launch)
         pid, programs = tl.program_id(0), tl.num_programs(0)
         P0, P1, P2, P3 = _sublayer_params(P0, P1, P2, P3, i, n, K, KIND)  # as in the forward
         if KIND == 0:
@@ -1485,18 +1597,7 @@ if triton is not None:
             tj = tmask[:, None, None] & (j[None, :, None] >= 1) & jmask[None, :, None]
             t0 = tmask[:, None, None] & (j[None, :, None] == 0)
             g_post = tl.load(G_POST + t[:, None] * n + k[None, :], mask=tk, other=0.).to(ACC)
-            g_AT = tl.zeros((BT, NP1, NP), ACC)  # d loss / d A^T[j, s] = G_j . H_s, G_0 the gradient of h, G_j of H'_j
-            ss = tl.zeros((BT, NP), ACC)
-            for c0 in range(0, C, BC):
-                cols = c0 + c
-                cmask = (cols < C)[None, None, :]
-                HT = tl.load(H + streams + cols[None, None, :], mask=tk3 & cmask, other=0.).to(ACC)
-                G = tl.load(G_MIXED + t[:, None, None] * n * C + (j[None, :, None] - 1) * C + cols[None, None, :],
-                            mask=tj & cmask, other=0.).to(ACC)
-                G += tl.load(G_H + t[:, None, None] * C + j[None, :, None] * 0 + cols[None, None, :], mask=t0 & cmask,
-                             other=0.).to(ACC)
-                g_AT += tl.sum(G[:, :, None, :] * HT[:, None, :, :], axis=3)
-                ss += tl.sum(HT * HT, axis=2)
+            g_AT, ss = _mixing_grams(H, G_H, G_MIXED, streams, t, j, c, tk3, tj, t0, n, C, ACC, BT, NP, NP1, BC)
             r = _stream_rms(ss, n, C, eps, KIND)
             AT, post, X1, X2, X3, X4, X5, X6 = _stream_connect(XW, P0, P1, P2, P3, t, tmask, r, n, K, n_perm, KIND,
                                                                ACC, BT, NP, NP1, PP)
@@ -1504,75 +1605,24 @@ if triton is not None:
             d_xa = tl.zeros((BT, NP1, NP), ACC)  # HC: d XW (its columns 0..n transposed, and column n + 1)
             d_xb = tl.zeros((BT, NP), ACC)
             if KIND == 2:
-                perm, w, p_pre, p_post, p_res, h_pre = X1, X2, X3, X4, X5, X6
-                a_pre, a_post, a_res = tl.load(P0).to(ACC), tl.load(P0 + 1).to(ACC), tl.load(P0 + 2).to(ACC)
-                du = tl.sum(tl.where(j[None, :, None] == 0, g_AT, 0.), axis=1) * h_pre * (1 - h_pre)
-                dv = g_post * post * (1 - post / 2)
-                # d loss / d w_p = sum_j g_AT[j, perm_p(j)]
-                g_w = tl.sum(tl.sum(tl.where(perm[None, :, :, None] == k[None, None, None, :], g_AT[:, None, :, :], 0.),
-                                    axis=3), axis=2)
-                dz = w * (g_w - tl.sum(w * g_w, axis=1)[:, None])
-                dtype = D_XW.dtype.element_ty
-                tl.store(D_XW + t[:, None] * K + k[None, :], (r[:, None] * a_pre * du).to(dtype), mask=tk)
-                tl.store(D_XW + t[:, None] * K + n + k[None, :], (r[:, None] * a_post * dv).to(dtype), mask=tk)
-                tl.store(D_XW + t[:, None] * K + 2 * n + p[None, :], (r[:, None] * a_res * dz).to(dtype),
-                         mask=tmask[:, None] & pmask[None, :])
-                s_pre, s_post = tl.sum(du * p_pre, axis=1), tl.sum(dv * p_post, axis=1)
-                s_res = tl.sum(dz * p_res, axis=1)
-                corr += (r * r * (a_pre * s_pre + a_post * s_post + a_res * s_res) / (n * C))[:, None]
-                d_pre += tl.sum(du, axis=0)  # (tokens outside the tile: all zero)
-                d_post += tl.sum(dv, axis=0)
-                d_z += tl.sum(dz, axis=0)
-                d_a += tl.where(e == 0, tl.sum(s_pre, axis=0), tl.where(e == 1, tl.sum(s_post, axis=0),
-                                                                      tl.where(e == 2, tl.sum(s_res, axis=0), 0.)))
+                corr_t, pre_t, post_t, z_t, a_t = _mhc_connections_bwd(P0, D_XW, t, tmask, tk, k, j, p, pmask, e, r,
+                                                                       g_AT, g_post, post, X1, X2, X3, X4, X5, X6,
+                                                                       n, C, K, ACC)
+                corr += corr_t
+                d_pre += pre_t
+                d_post += post_t
+                d_z += z_t
+                d_a += a_t
             else:
                 d_AT += tl.sum(g_AT, axis=0)
                 d_post += tl.sum(g_post, axis=0)
                 if KIND == 0:
-                    PT, TT, pb, tb = X1, X2, X3, X4
-                    s_a, s_b = tl.load(P2).to(ACC), tl.load(P3).to(ACC)
-                    dPT = s_a * (1 - TT * TT) * g_AT
-                    dpb = s_b * (1 - tb * tb) * g_post
-                    d_xa, d_xb = r[:, None, :] * dPT, r * dpb
-                    corr = r * r * (tl.sum(dPT * PT, axis=1) + dpb * pb) / C
-                    d_a += tl.where(e == 0, tl.sum(tl.sum(tl.sum(TT * g_AT, axis=2), axis=1), axis=0), 0.)
-                    d_a += tl.where(e == 1, tl.sum(tl.sum(tb * g_post, axis=1), axis=0), 0.)
-            for c0 in range(0, C, BC):  # d H_s = sum_j A^T[j, s] G_j - corr_s H_s (+ HC: d XW_s W^T)
-                cols = c0 + c
-                cmask = (cols < C)[None, None, :]
-                HT = tl.load(H + streams + cols[None, None, :], mask=tk3 & cmask, other=0.).to(ACC)
-                G = tl.load(G_MIXED + t[:, None, None] * n * C + (j[None, :, None] - 1) * C + cols[None, None, :],
-                            mask=tj & cmask, other=0.).to(ACC)
-                G += tl.load(G_H + t[:, None, None] * C + j[None, :, None] * 0 + cols[None, None, :], mask=t0 & cmask,
-                             other=0.).to(ACC)
-                dH = tl.sum(AT[:, :, :, None] * G[:, :, None, :], axis=1) - corr[:, :, None] * HT
-                if KIND == 0:  # XW = H W per stream: H gets d XW W^T; W gets H^T d XW, in this program's part
-                    at_a = part_w + cols[None, :] * K + j[:, None]  # W[c, j], j = 0..n (the width columns)
-                    m_a = jmask[:, None] & (cols < C)[None, :]
-                    dH += tl.sum(d_xa[:, :, :, None] * tl.load(W + cols[None, :] * K + j[:, None], mask=m_a,
-                                                                 other=0.).to(ACC)[None, :, None, :], axis=1)
-                    w_b = tl.load(W + cols * K + n + 1, mask=cols < C, other=0.).to(ACC)  # W[c, n + 1] (depth)
-                    dH += d_xb[:, :, None] * w_b[None, None, :]
-                    g_a = tl.sum(tl.sum(d_xa[:, :, :, None] * HT[:, None, :, :], axis=2), axis=0)
-                    g_b = tl.sum(tl.sum(d_xb[:, :, None] * HT, axis=1), axis=0)
-                    later = tile > pid  # the program's first tile writes its part, later ones add to it
-                    g_a += tl.where(later, tl.load(at_a, mask=m_a, other=0.), 0.)
-                    g_b += tl.where(later, tl.load(part_w + cols * K + n + 1, mask=cols < C, other=0.), 0.)
-                    tl.store(at_a, g_a, mask=m_a)
-                    tl.store(part_w + cols * K + n + 1, g_b, mask=cols < C)
-                tl.store(D_H + t[:, None, None] * n * C + k[None, :, None] * C + cols[None, None, :],
-                         dH.to(D_H.dtype.element_ty), mask=tk3 & cmask)
-        part = PART + pid * n_part
-        if KIND == 2:  # [alpha (3) | bias: pre (n), post (n), res (n!)]
-            tl.store(part + e, d_a, mask=e < 3)
-            tl.store(part + 3 + k, d_pre, mask=kmask)
-            tl.store(part + 3 + n + k, d_post, mask=kmask)
-            tl.store(part + 3 + 2 * n + p, d_z, mask=pmask)
-        else:  # [width (n, n+1) | depth (n) | s_a, s_b | (HC, written above) W (C, K)]
-            tl.store(part + k[None, :] * (n + 1) + j[:, None], d_AT, mask=m2)
-            tl.store(part + n * (n + 1) + k, d_post, mask=kmask)
-            if KIND == 0:
-                tl.store(part + n * (n + 1) + n + e, d_a, mask=e < 2)
+                    d_xa, d_xb, corr, a_t = _hc_connections_bwd(P2, P3, e, r, g_AT, g_post, X1, X2, X3, X4, C, ACC)
+                    d_a += a_t
+            later = tile > pid  # the program's first tile writes its part of W's gradient, later ones add to it
+            _streams_grad(H, W, G_H, G_MIXED, D_H, part_w, AT, corr, d_xa, d_xb, later, streams, t, k, j, c, jmask,
+                          tk3, tj, t0, n, C, K, KIND, ACC, BC)
+        _stream_parts_store(PART + pid * n_part, d_AT, d_post, d_pre, d_z, d_a, k, j, p, e, kmask, pmask, m2, n, KIND)
 
     @triton.jit
     def _advance_bwd(G, U, POST, D_U, D_POST, N, n, C, ACC: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr,
