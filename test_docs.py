@@ -1,13 +1,18 @@
 """
-docs/ against the code: the launch counts that docs/PERFORMANCE.md documents at 4 layers are the
-ones test_kernels.py pins (OPERATORS), and the relative links of docs/PERFORMANCE.md and
-docs/RESULTS.md lead to files (and headings) that exist. No model runs here.
+The documents and the layout against the code: the launch counts that docs/PERFORMANCE.md
+documents at 4 layers are the ones test_kernels.py pins (OPERATORS); docs/METHODS.md has a section
+for every registered method; the relative links of every page lead to files (and headings) that
+exist; nothing a user gets points outside the repository; residuals.py stands alone and the
+project's imports have no circle; no function outside the Triton kernels is over 60 lines. No
+model runs here.
 """
+import ast
 import os
 import re
 
 import pytest
 
+from residuals import RESIDUALS
 from test_kernels import OPERATORS
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -116,11 +121,14 @@ def slug(heading):
     return re.sub(r'[^\w\- ]', '', heading.strip().lower()).replace(' ', '-')
 
 
-@pytest.mark.parametrize('page', ['PERFORMANCE.md', 'RESULTS.md'])
+PAGES = ['README.md', 'CONTRIBUTING.md', 'docs/METHODS.md', 'docs/PERFORMANCE.md', 'docs/RESULTS.md']
+
+
+@pytest.mark.parametrize('page', PAGES)
 def test_relative_links_resolve(page):
     """Every relative link and image of the page names a file of the repository, and every anchor
     into a markdown page names one of its headings."""
-    path = os.path.join(ROOT, 'docs', page)
+    path = os.path.join(ROOT, page)
     with open(path, encoding='utf-8') as f:
         text = re.sub(r'```.*?```', '', f.read(), flags=re.S)
     broken = []
@@ -136,4 +144,84 @@ def test_relative_links_resolve(page):
                 anchors = {slug(h) for h in re.findall(r'^#+ (.+)$', f.read(), re.M)}
             if anchor not in anchors:
                 broken.append(f"{target}: no heading #{anchor} in {os.path.relpath(resolved, ROOT)}")
-    assert not broken, f"docs/{page}: broken links: {broken}"
+    assert not broken, f"{page}: broken links: {broken}"
+
+
+def test_methods_page_has_a_section_for_every_registered_method_in_order():
+    """docs/METHODS.md, the maths contract, has one `## `name`: ...` section per name in
+    RESIDUALS, in the registry's order."""
+    with open(os.path.join(ROOT, 'docs', 'METHODS.md'), encoding='utf-8') as f:
+        sections = re.findall(r'^## `(\w+)`', f.read(), re.M)
+    assert sections == list(RESIDUALS), f"docs/METHODS.md's method sections {sections}, RESIDUALS {list(RESIDUALS)}"
+
+
+def user_files():
+    """What a user's clone holds beside the tests, CI and the results: the scripts, the pages and
+    the configs."""
+    top = [name for name in os.listdir(ROOT) if name.endswith(('.py', '.md', '.txt'))
+           and not name.startswith('test_') and name != 'conftest.py']
+    folders = [os.path.join(folder, name) for folder in ('config', 'docs')
+               for name in os.listdir(os.path.join(ROOT, folder))]
+    return sorted(top + folders)
+
+
+def test_nothing_a_user_gets_points_outside_the_repository():
+    """No script, page or config cites a document or data folder that only the developers have
+    (a clone has docs/METHODS.md as its contract and prepares its data with data.py)."""
+    outside = re.compile(r'\.\./shared|\bSPEC\b')
+    found = []
+    for name in user_files():
+        with open(os.path.join(ROOT, name), encoding='utf-8') as f:
+            found += [f"{name}:{k}: {line.strip()}" for k, line in enumerate(f, 1) if outside.search(line)]
+    assert 'README.md' in user_files() and 'config/cpu_depth.py' in user_files()
+    assert not found, "these lines point outside the repository:\n" + '\n'.join(found)
+
+
+def project_imports(name):
+    """The project's modules that a module imports, anywhere in it (inside functions too)."""
+    project = {n[:-3] for n in os.listdir(ROOT) if n.endswith('.py')}
+    with open(os.path.join(ROOT, name + '.py'), encoding='utf-8') as f:
+        tree = ast.parse(f.read())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split('.')[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split('.')[0])
+    return names & project - {name}
+
+
+def test_residuals_stands_alone_and_the_imports_have_no_circle():
+    """residuals.py (the maths) imports no module of the project; kernels.py imports it at its top;
+    following the imports of the scripts never leads back to where it started."""
+    assert project_imports('residuals') == set()
+    with open(os.path.join(ROOT, 'kernels.py'), encoding='utf-8') as f:
+        top = ast.parse(f.read()).body
+    assert any(isinstance(n, (ast.Import, ast.ImportFrom)) and 'residuals' in ast.unparse(n) for n in top)
+    modules = [n[:-3] for n in os.listdir(ROOT) if n.endswith('.py') and not n.startswith(('test_', 'conftest'))]
+    graph = {m: project_imports(m) for m in modules}
+
+    def circle_from(module, path):
+        for imported in graph.get(module, ()):
+            if imported in path:
+                return path[path.index(imported):] + [imported]
+            found = circle_from(imported, path + [imported])
+            if found:
+                return found
+        return None
+    circles = [c for m in modules if (c := circle_from(m, [m]))]
+    assert not circles, f"import circles: {circles}"
+
+
+def test_no_function_outside_the_triton_kernels_is_over_60_lines():
+    """A newcomer reads every function on one screen; the Triton kernels (@triton.jit) alone may
+    be longer, where their parts do not separate."""
+    long = []
+    for name in sorted(n for n in os.listdir(ROOT) if n.endswith('.py') and not n.startswith(('test_', 'conftest'))):
+        with open(os.path.join(ROOT, name), encoding='utf-8') as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60 \
+                    and not any('triton.jit' in ast.unparse(d) for d in node.decorator_list):
+                long.append(f"{name}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert not long, f"functions over 60 lines: {long}"
