@@ -297,8 +297,8 @@ class HCConnections(nn.Module):
 class HyperConnections(nn.Module):
     """Hyper-Connections: n streams H (B, T, n, C); per sublayer the width connection gives the
     input h = A_m^T H and the mixed streams H' = A_r^T H, the depth connection H <- B^T f(h) + H'
-    (Zhu et al., arXiv 2409.19606). Readout: the mean of the streams (METHODS.md says sum; the final norm
-    removes the factor n up to its eps, and the mean makes HC at init equal PreNorm exactly)."""
+    (Zhu et al., arXiv 2409.19606). Readout: the mean of the streams (the paper sums them; the final
+    norm removes the factor n up to its eps, and the mean makes HC at init equal PreNorm exactly)."""
     sublayer_norm = True
 
     def __init__(self, config):
