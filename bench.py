@@ -219,7 +219,7 @@ def run_suite(cfg):
     """The prepared run for a lent GPU, about 10 minutes: (1) the kernels' tests on CUDA; (2) bench at
     GPT-2 small's shape (bfloat16) with the Triton kernels, every method eager, block_attnres and wav
     compiled (default mode, and reduce-overhead: CUDA graphs), each with the profiler's GPU-busy time
-    beside the wall time. Writes suite.json and suite.md (the table the README includes, with the
+    beside the wall time. Writes suite.json and suite.md (the table for docs/PERFORMANCE.md, with the
     hardware and the versions) into suite_dir. Each part is a child process with a time limit; a part
     that does not finish is written as such. dry_run: the tiny config on this machine (the kernels
     through Triton's interpreter), a few tests and methods, no compiling."""

@@ -66,7 +66,7 @@ GRIDS = {
                            (('2e-3', '2e-4', ['--batch_size=32', '--max_iters=800']), ('2e-3', '2e-4', []),
                             ('4e-3', '4e-4', ['--batch_size=32', '--max_iters=800']))],
                   variants=[[f'--residual={r}'] for r in ('prenorm', 'block_attnres')], seeds=[0, 1, 2]),
-    # every registered method on the pilot's recipe, five seeds (about 3 hours with --jobs=2 on 2 cores)
+    # every registered method on the pilot's recipe, five seeds (7.8 hours of run time: about 4 with --jobs=2 on 2 cores)
     'cpu_study': dict(configs=[['config/cpu_study.py']], variants=[[f'--residual={r}'] for r in RESIDUALS],
                       seeds=[0, 1, 2, 3, 4]),
     # ReZero stalls near the bigram plateau at cpu_study's learning rate: its sensitivity, two seeds

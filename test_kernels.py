@@ -769,7 +769,8 @@ def test_every_fast_path_equals_the_reference_in_float64(residual, backend, few_
 # The operators one training step dispatches (forward + backward; compute, views) at 4 layers, as
 # `python bench.py --count_ops=True --config=ops` prints them: each compute operator is a kernel
 # launch on a GPU, so a change that adds launches to a method's routing fails here. Lower counts
-# fail too, so that these figures and the README's stay the measured ones: update both.
+# fail too, so that these figures and docs/PERFORMANCE.md's stay the measured ones: update both
+# (test_docs.py holds the two equal).
 OPERATORS = {
     'torch': {'prenorm': (135, 245), 'rezero': (152, 239), 'layerscale': (168, 255), 'attnres': (509, 652),
               'block_attnres': (429, 570), 'delta_attnres': (482, 591), 'wav': (751, 782), 'hc': (408, 760),

@@ -1,8 +1,8 @@
-# The CPU study of every method on the recipe the pilot chose by its noise (python sweep.py pilot; README):
+# The CPU study of every method on the recipe the pilot chose by its noise (python sweep.py pilot; docs/RESULTS.md):
 # cpu_methods' 6-layer, width-96 model and compute (1600 steps of 16 x 128 characters of the text8 slice,
 # text8's first 3,010,294 characters) at a lower peak learning rate, a 100-step warmup and a 4x larger
-# fixed validation set; five seeds (python sweep.py cpu_study --jobs=2, about 3 hours on 2 cores).
-#   python data.py text8 --max_chars=3010294    (the slice; the full text8, `python data.py text8`, works too)
+# fixed validation set; five seeds (python sweep.py cpu_study --jobs=2, about 4 hours on 2 cores).
+#   python data.py text8 --max_chars=3010294    (the slice the committed results used; the full text8 runs too, on another split)
 #   python train.py config/cpu_study.py --residual=mudd
 dataset = 'text8'
 out_dir = 'out-cpu-study'
