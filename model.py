@@ -67,6 +67,10 @@ class GPTConfig:
             raise ValueError(f"res_block_size must be >= 0 (0 = auto), got {self.res_block_size}")
         if self.wav_rho <= 0:
             raise ValueError(f"wav_rho must be > 0, got {self.wav_rho}")
+        if self.layerscale_init < 0:
+            raise ValueError(f"layerscale_init must be >= 0 (0 = CaiT's depth rule), got {self.layerscale_init}")
+        if self.mgr_L_base <= 0:
+            raise ValueError(f"mgr_L_base must be > 0 (a number of gated sublayers), got {self.mgr_L_base}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.mgr_gate not in ('independent', 'competitive'):

@@ -395,6 +395,9 @@ class StreamGates(nn.Module):
         self.competitive, self.scale = config.mgr_gate == 'competitive', C ** -0.5
         self.queries = nn.Parameter(torch.zeros(n_gated, C))
         g = torch.sigmoid(torch.tensor(config.mgr_b_base)).item() * math.sqrt(config.mgr_L_base / n_gated)
+        if not self.competitive and g >= 1:
+            raise ValueError(f"mgr: the initial gate sigmoid(mgr_b_base) sqrt(mgr_L_base / {n_gated}) = {g:.3f} "
+                             f"must be below 1; use a lower mgr_b_base or mgr_L_base")
         if self.competitive and g * n >= 1:
             raise ValueError(f"mgr: the initial gate {g:.3f} leaves no keep weight for {n} competing streams; "
                              f"use more layers, fewer streams or a lower mgr_b_base")

@@ -17,7 +17,7 @@ import residuals
 import train
 from conftest import (BACKENDS, METHODS, on_backends, README, REAL_TEXT, TINY_TRAIN, fake_sublayers, randomize_routing,
                       rel_rms, routing, tiny_model, unigram_entropy)
-from model import GPTConfig
+from model import GPT, GPTConfig
 from residuals import RESIDUALS, DepthAttention
 
 
@@ -573,6 +573,9 @@ def test_config_validates_each_knob_in_one_place():
     for bad, message in [({'residual': 'nope'}, 'choose one of'), ({'mgr_gate': 'soft'}, 'independent or competitive'),
                          ({'n_embd': 30, 'n_head': 4}, 'multiple of n_head'), ({'res_block_size': -1}, 'res_block_size'),
                          ({'residual': 'denseformer', 'n_layer': 4, 'denseformer_period': 3}, 'must divide n_layer=4'),
-                         ({'denseformer_dilation': 0}, 'denseformer_dilation'), ({'mudd_hidden': -1}, 'mudd_hidden')]:
+                         ({'denseformer_dilation': 0}, 'denseformer_dilation'), ({'mudd_hidden': -1}, 'mudd_hidden'),
+                         ({'layerscale_init': -0.1}, 'layerscale_init'), ({'mgr_L_base': 0}, 'mgr_L_base')]:
         with pytest.raises(ValueError, match=message):
             GPTConfig(**bad)
+    with pytest.raises(ValueError, match=r'initial gate .* must be below 1; use a lower mgr_b_base'):
+        GPT(GPTConfig(residual='mgr', mgr_gate='independent', mgr_b_base=3.0, n_layer=2, n_embd=16, n_head=2))
