@@ -9,6 +9,7 @@ Cost of every residual method against prenorm.
     python bench.py --config=gpt2 --kernels=triton      # on a GPU: GPT-2 small's shape, bf16
     python bench.py --count_ops=True                    # operators per training step, exact, no timing
     TRITON_INTERPRET=1 python bench.py --count_ops=True --kernels=triton --config=ops_deep  # on a CPU
+    TRITON_INTERPRET=1 python bench.py --count_bytes=True --kernels=triton --config=gpt2    # bytes moved per step
 
 Each method runs in a process of its own beside its own prenorm (--isolate=False: all in one
 process): models that share a process slow each other down through the memory allocator, on a
@@ -28,6 +29,15 @@ each method's extra compute operators per sublayer over prenorm's and its views 
 prenorm's. With the Triton kernels on a CPU, set TRITON_INTERPRET=1 (the counts are the same as on
 a GPU; the interpreter is slow, hence the 16-token shapes 'ops' and 'ops_deep').
 
+--count_bytes=True times nothing either: it counts the bytes one training step's forward and
+backward move, as a GPU's memory traffic outside the caches: every compute operator reads its tensor
+inputs and writes its outputs (and the inputs it writes in place); a Triton kernel wrapped as a custom
+op reads and writes its arguments, its insides unseen; views, allocations and metadata move nothing.
+The step runs on fake tensors (shapes and dtypes only, no data, no arithmetic), so any shape counts
+exactly and at once on a CPU, GPT-2's included (a test holds fake and real counts equal), in bfloat16
+autocast as on a GPU unless --dtype says otherwise. It reports each method's bytes per step, x
+prenorm's, the routing's extra per sublayer, and the operators that add the most over prenorm's.
+
 --suite=gpu is the prepared run for a lent GPU (at most about 10 minutes; run_suite below):
 
     python bench.py --suite=gpu --suite_dir=$OUT         # on the GPU machine
@@ -44,7 +54,9 @@ import time
 import weakref
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import configurator
 import kernels as kernels_module
@@ -83,6 +95,7 @@ seed = 0
 json_path = ''  # write the results here too
 isolate = True  # each method in its own process beside its own prenorm
 count_ops = False  # count the operators of one training step instead of timing (exact; see above)
+count_bytes = False  # count the bytes one training step moves instead of timing (exact; see above)
 profile = False  # on CUDA, also the GPU's busy time per step (kernel time from the profiler, 2 more steps)
 suite = ''  # 'gpu': the prepared GPU run (see run_suite), written to suite_dir; with dry_run: the same on a CPU
 suite_dir = 'gpu_suite'
@@ -145,6 +158,76 @@ def operator_counts(name, shape, B, x, y, dev, ctx, backend, cfg):
     return dict(method=name, compute=sum(counter.compute.values()), views=counter.views, ops=counter.compute)
 
 
+# operators that move no data: they allocate, or alias an input as a view without saying so
+NO_TRAFFIC = {'aten::empty', 'aten::empty_like', 'aten::empty_strided', 'aten::new_empty', 'aten::_unsafe_view'}
+
+
+def tensor_bytes(tensors):
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+class ByteCounter(TorchDispatchMode):
+    """The bytes that the compute operators dispatched while it is active read and write, by name:
+    each reads its tensor arguments and writes its outputs and the arguments it mutates (an output
+    that is a mutated argument counts once)."""
+
+    def __init__(self):
+        super().__init__()
+        self.moved = {}
+
+    def __torch_dispatch__(self, op, types, args=(), kwargs=None):
+        out = op(*args, **(kwargs or {}))
+        schema = op._schema
+        if is_view(op) or op.namespace == 'prim' or schema.name in NO_TRAFFIC:
+            return out
+        kwargs = kwargs or {}
+        given = [kwargs.get(a.name) if a.kwarg_only or k >= len(args) else args[k] for k, a in enumerate(schema.arguments)]
+        mutated = [v for v, a in zip(given, schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        fresh = [o for o, r in zip(outs, schema.returns) if r.alias_info is None]
+        moved = tensor_bytes(tree_leaves((args, kwargs))) + tensor_bytes(tree_leaves(mutated)) + tensor_bytes(tree_leaves(fresh))
+        self.moved[str(op)] = self.moved.get(str(op), 0) + moved
+        return out
+
+
+def bytes_moved(name, shape, B, dev, ctx, backend, cfg, fake=True):
+    """The bytes one forward and backward of a model of this method move, by operator (after one
+    uncounted pass, so that nothing lazy is counted), on fake tensors (fake=False: real ones, which
+    a test compares them with)."""
+    with FakeTensorMode() if fake else contextlib.nullcontext(), dev:  # (made on dev: fakes do not move)
+        torch.manual_seed(cfg['seed'])
+        model = GPT(GPTConfig(**shape, vocab_size=cfg['vocab_size'], residual=name))
+        model.set_kernels(backend, cfg['mgr_fallback_p'])
+        x, y = (torch.randint(cfg['vocab_size'], (B, shape['block_size'])) for _ in range(2))
+        for counter in (contextlib.nullcontext(), ByteCounter()):
+            model.zero_grad(set_to_none=True)
+            with ctx, counter:
+                _, loss = model(x, y)
+            with counter:
+                loss.backward()
+    return dict(method=name, bytes=sum(counter.moved.values()), ops=counter.moved)
+
+
+def report_bytes(results, cfg, shape, B, backend, dtype_name, top=3):
+    """Bytes per step, x prenorm's (the first row), the routing's extra per sublayer, and the operators
+    that move the most more than prenorm's do."""
+    base, sublayers = results[0], 2 * shape['n_layer']
+    print(f"\nbytes moved per training step (forward + backward), kernels={backend}, {dtype_name}, "
+          f"{B} x {shape['block_size']} tokens, {sublayers} sublayers")
+    print(f"{'method':<14} {'GB':>7} {'x prenorm':>10} {'+MB/sublayer':>13}  largest extra operators (GB)")
+    for r in results:
+        r['ratio'] = r['bytes'] / base['bytes']
+        r['extra_per_sublayer'] = (r['bytes'] - base['bytes']) / sublayers
+        extra = {op: b - base['ops'].get(op, 0) for op, b in r['ops'].items()}
+        largest = sorted((kv for kv in extra.items() if kv[1] > 0), key=lambda kv: -kv[1])[:top]
+        print(f"{r['method']:<14} {r['bytes'] / 1e9:>7.2f} {r['ratio']:>10.3f} {r['extra_per_sublayer'] / 1e6:>+13.1f}  "
+              + ', '.join(f"{op.removeprefix('aten.').removesuffix('.default')} {b / 1e9:.2f}" for op, b in largest))
+    if cfg['json_path']:
+        with open(cfg['json_path'], 'w') as f:
+            json.dump({'config': cfg, 'shape': shape, 'batch_size': B, 'kernels': backend, 'dtype': dtype_name,
+                       'torch': torch.__version__, 'results': results}, f, indent=1)
+
+
 def report_ops(results, cfg, shape, backend):
     """The routing's extra operators per sublayer, over prenorm's (the first row)."""
     base, sublayers = results[0], 2 * shape['n_layer']
@@ -178,7 +261,8 @@ def main(argv):
         sys.exit(f"error: unknown methods {unknown}; choose from: {', '.join(RESIDUALS)}")
     try:
         dev = configurator.resolve_device(cfg['device'])
-        dtype_name, ctx = configurator.precision(dev, cfg['dtype'])
+        dtype = 'bfloat16' if cfg['count_bytes'] and cfg['dtype'] == 'auto' else cfg['dtype']  # as on a GPU
+        dtype_name, ctx = configurator.precision(dev, dtype)
         backend = resolve_kernels(cfg['kernels'], dev.type)
     except ValueError as e:
         sys.exit(f"error: {e}")
@@ -190,12 +274,16 @@ def main(argv):
     print(f"bench: {cfg['config']} {shape}, batch {B}, on {dev} {dtype_name}, compile={cfg['compile']} "
           f"({cfg['compile_scope']}, {cfg['compile_mode']}), "
           f"kernels={backend}, mgr_fallback_p={cfg['mgr_fallback_p']}, "
-          + ("counting operators" if cfg['count_ops'] else
+          + ("counting operators" if cfg['count_ops'] else "counting bytes" if cfg['count_bytes'] else
              f"{cfg['warmup']} warm-up + {cfg['steps']} timed steps each, {torch.get_num_threads()} threads"))
 
     if cfg['count_ops']:
         results = [operator_counts(name, shape, B, x, y, dev, ctx, backend, cfg) for name in names]
         report_ops(results, cfg, shape, backend)
+        return results
+    if cfg['count_bytes']:
+        results = [bytes_moved(name, shape, B, dev, ctx, backend, cfg) for name in names]
+        report_bytes(results, cfg, shape, B, backend, dtype_name)
         return results
     if cfg['isolate'] and len(names) > 2:
         results = isolated(argv, names[1:])

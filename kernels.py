@@ -693,6 +693,11 @@ def _triton_depth_mix_backward_shared(queries: Tensor, bias: Optional[Tensor], s
     return _depth_mix_backward_into(queries, bias, sources, None, None, mixed, lse, grad_mixed, grad_lse, grads, add)
 
 
+@_triton_depth_mix_backward_shared.register_fake
+def _(queries, bias, sources, mixed, lse, grad_mixed, grad_lse, grads, add):
+    return torch.empty_like(queries), [] if bias is None else [torch.empty_like(bias)]
+
+
 def triton_depth_mix(queries, bias, sources, prior=None):
     """DepthMix in Triton: queries (m, C), bias (m, S) or None, a list of S sources (B, T, C), a prior
     (mixed, lse) or None -> mixed (m, B, T, C), lse (m, B, T) (float32, or float64 for float64 sources)."""
@@ -1685,6 +1690,13 @@ def _triton_stream_mix(H: Tensor, XW: Optional[Tensor], W: Optional[Tensor], par
     return h, mixed, post, projected
 
 
+@_triton_stream_mix.register_fake
+def _(H, XW, W, params, i, kind, replay):
+    acc, (C, K) = accumulator(H.dtype)[0], (H.shape[-1], W.shape[-1] if W is not None else 0)
+    return (H.new_empty((0,) if replay else H.shape[:-2] + (C,)), H.new_empty(H.shape),
+            H.new_empty(H.shape[:-1] + (1,), dtype=acc), H.new_empty(H.shape[:-1] + (K,) if W is not None else (0,), dtype=acc))
+
+
 @torch.library.custom_op('resroute::stream_mix_backward', mutates_args=())
 def _triton_stream_mix_backward(H: Tensor, XW: Optional[Tensor], W: Optional[Tensor], params: List[Tensor], i: int,
                                 kind: int, grad_h: Tensor, grad_mixed: Tensor,
@@ -1706,6 +1718,16 @@ def _triton_stream_mix_backward(H: Tensor, XW: Optional[Tensor], W: Optional[Ten
     return d_H, [] if d_XW is None else [d_XW], parts
 
 
+@_triton_stream_mix_backward.register_fake
+def _(H, XW, W, params, i, kind, grad_h, grad_mixed, grad_post):
+    acc, (n, C), N = accumulator(H.dtype)[0], H.shape[-2:], H.numel() // (H.shape[-2] * H.shape[-1])
+    K, n_perm = W.shape[-1] if W is not None else 0 if XW is None else XW.shape[-1], params[2].shape[0] if kind == MHC else 1
+    n_part = 3 + 2 * n + n_perm if kind == MHC else n * (n + 1) + n + (2 + C * K if kind == HC else 0)
+    programs = reduction_programs(-(-N // stream_tile(n, C, n_perm, N)))
+    return (H.new_empty(H.shape), [XW.new_empty(XW.shape, dtype=acc)] if kind == MHC else [],
+            H.new_empty((programs, n_part), dtype=acc))
+
+
 @torch.library.custom_op('resroute::advance_backward', mutates_args=())
 def _triton_advance_backward(grad: Tensor, update: Tensor, post: Tensor) -> Tuple[Tensor, Tensor]:
     n, C = grad.shape[-2:]
@@ -1716,6 +1738,11 @@ def _triton_advance_backward(grad: Tensor, update: Tensor, post: Tensor) -> Tupl
                                         N, n, C, ACC=accumulator(grad.dtype)[1], BT=BT, NP=next_pow2(n),
                                         BC=stream_columns(C))
     return d_update, d_post
+
+
+@_triton_advance_backward.register_fake
+def _(grad, update, post):
+    return torch.empty_like(update), torch.empty_like(post)
 
 
 class StreamGrads:

@@ -5,6 +5,7 @@ CPU) against DepthMix and the plain MGR in float64; MGR's inverting backward; HC
 recomputed streams; memory; compilation.
 The equivalences of whole methods on every backend are in test_residuals.py.
 """
+import contextlib
 import os
 
 import numpy as np
@@ -785,7 +786,6 @@ OPERATORS = {
 def test_operators_per_training_step_are_pinned(backend):
     """Counted exactly (a dispatch mode; no timing), on a 4-layer model at two tokens (the counts do
     not depend on width or tokens); within 2% for other PyTorch versions' decompositions."""
-    import contextlib
     import bench
     shape, cfg = dict(n_layer=4, n_embd=32, n_head=2, block_size=8), dict(seed=0, vocab_size=96, mgr_fallback_p=1)
     idx = torch.randint(96, (1, 2), generator=torch.Generator().manual_seed(0)).to(KERNEL_DEVICE)
@@ -796,3 +796,59 @@ def test_operators_per_training_step_are_pinned(backend):
     off = {m: (counted[m], want) for m, want in OPERATORS[backend].items()
            if any(abs(c - w) > max(2, 0.02 * w) for c, w in zip(counted[m], want))}
     assert not off, f"(counted, pinned) operators per training step changed: {off}"
+
+
+# The bytes one training step moves (bench.py --count_bytes), x prenorm's, in bfloat16 autocast at a
+# small shape (4 layers of width 128, 2 x 64 tokens), as the operators are pinned above: a change that
+# adds traffic to a method's routing fails here, and so does one that removes it until these figures
+# and docs/PERFORMANCE.md's are updated.
+BYTES = {
+    'torch': {'prenorm': 1.0, 'rezero': 0.984, 'layerscale': 1.111, 'attnres': 2.211, 'block_attnres': 1.775,
+              'delta_attnres': 2.116, 'wav': 2.879, 'hc': 3.343, 'mhc_lite': 3.225, 'mgr': 3.053,
+              'denseformer': 1.229, 'mudd': 1.738},
+    'triton': {'prenorm': 1.0, 'rezero': 0.984, 'layerscale': 1.111, 'attnres': 1.155, 'block_attnres': 1.129,
+               'delta_attnres': 1.341, 'wav': 1.311, 'hc': 1.737, 'mhc_lite': 2.029, 'mgr': 1.232,
+               'denseformer': 1.229, 'mudd': 1.738},
+}
+
+
+@pytest.mark.parametrize('backend', ['torch', pytest.param('triton', marks=needs_triton)])
+def test_bytes_per_training_step_are_pinned(backend):
+    """Counted exactly on fake tensors (shapes only: no data, no timing), within 0.005 of prenorm's."""
+    import bench
+    shape, cfg = dict(n_layer=4, n_embd=128, n_head=2, block_size=64), dict(seed=0, vocab_size=96, mgr_fallback_p=1)
+    ctx = torch.autocast(KERNEL_DEVICE.type, dtype=torch.bfloat16)
+    moved = {m: bench.bytes_moved(m, shape, 2, KERNEL_DEVICE, ctx, backend, cfg)['bytes'] for m in METHODS}
+    off = {m: (round(moved[m] / moved['prenorm'], 3), want) for m, want in BYTES[backend].items()
+           if abs(moved[m] / moved['prenorm'] - want) > 0.005}
+    assert not off, f"(counted, pinned) bytes per training step x prenorm's changed: {off}"
+
+
+@pytest.mark.parametrize('backend', ['torch', pytest.param('triton', marks=needs_triton)])
+def test_bytes_counted_on_fake_tensors_are_those_of_a_real_step(backend):
+    """The count on fake tensors (what lets bench.py count GPT-2's shape on a CPU at once) equals the
+    count of a real step, operator by operator, for every method in float32 and, to the layer norm's
+    saved statistics (the fakes keep them in bfloat16 where a real step keeps float32: 2 numbers a
+    token, under 0.1%), in bfloat16 autocast."""
+    import bench
+    shape, cfg = dict(n_layer=4, n_embd=32, n_head=2, block_size=8), dict(seed=0, vocab_size=96, mgr_fallback_p=1)
+    for name in METHODS:
+        for ctx in (contextlib.nullcontext(), torch.autocast(KERNEL_DEVICE.type, dtype=torch.bfloat16)):
+            fake, real = (bench.bytes_moved(name, shape, 2, KERNEL_DEVICE, ctx, backend, cfg, fake=f) for f in (True, False))
+            if isinstance(ctx, contextlib.nullcontext):
+                assert fake['ops'] == real['ops'], name
+            else:
+                assert fake['ops'].keys() == real['ops'].keys() and abs(fake['bytes'] / real['bytes'] - 1) < 1e-3, name
+
+
+def test_the_byte_counter_counts_reads_writes_and_in_place_writes():
+    """add reads two tensors and writes one; add_ reads two and writes its first in place; views,
+    allocations and a custom op's insides move nothing (the op moves its arguments and outputs)."""
+    import bench
+    a, b = torch.ones(10), torch.ones(10)
+    with bench.ByteCounter() as counter:
+        a + b
+        a.add_(b)
+        a.view(2, 5).t()
+        torch.empty(1000)
+    assert counter.moved == {'aten.add.Tensor': 120, 'aten.add_.Tensor': 120}
