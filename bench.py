@@ -158,8 +158,10 @@ def operator_counts(name, shape, B, x, y, dev, ctx, backend, cfg):
     return dict(method=name, compute=sum(counter.compute.values()), views=counter.views, ops=counter.compute)
 
 
-# operators that move no data: they allocate, or alias an input as a view without saying so
-NO_TRAFFIC = {'aten::empty', 'aten::empty_like', 'aten::empty_strided', 'aten::new_empty', 'aten::_unsafe_view'}
+# operators that move no data: they allocate, alias an input as a view without saying so, or change a
+# tensor's shape in place
+NO_TRAFFIC = {'aten::empty', 'aten::empty_like', 'aten::empty_strided', 'aten::new_empty', 'aten::_unsafe_view',
+              'aten::squeeze_', 'aten::unsqueeze_', 'aten::t_', 'aten::transpose_', 'aten::as_strided_', 'aten::detach_'}
 
 
 def tensor_bytes(tensors):
