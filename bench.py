@@ -185,7 +185,7 @@ class ByteCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         given = [kwargs.get(a.name) if a.kwarg_only or k >= len(args) else args[k] for k, a in enumerate(schema.arguments)]
         mutated = [v for v, a in zip(given, schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
-        outs = out if isinstance(out, (tuple, list)) else (out,)
+        outs = out if len(schema.returns) > 1 else (out,)  # (one return may be a list of tensors)
         fresh = [o for o, r in zip(outs, schema.returns) if r.alias_info is None]
         moved = tensor_bytes(tree_leaves((args, kwargs))) + tensor_bytes(tree_leaves(mutated)) + tensor_bytes(tree_leaves(fresh))
         self.moved[str(op)] = self.moved.get(str(op), 0) + moved
