@@ -564,7 +564,7 @@ def test_a_training_step_never_waits_for_the_gpu(residual):
 @needs_triton
 @pytest.mark.skipif(not torch.cuda.is_available(), reason='bfloat16 needs the compiled kernels on CUDA '
                     '(the interpreter has no bf16 arithmetic)')
-@pytest.mark.parametrize('residual', ['block_attnres', 'wav', 'mgr', 'hc', 'mhc_lite'])
+@pytest.mark.parametrize('residual', ['block_attnres', 'wav', 'mgr', 'hc', 'mhc_lite', 'mudd'])
 def test_kernels_under_bfloat16_autocast_match_torch(residual):
     """Under autocast the kernels see what training gives them: a float32 embedding beside
     bfloat16 updates, float32 queries. Loss within 1e-2 and gradients (all parameters together)
@@ -693,11 +693,11 @@ def capture(self, *args, grid, warmup, **kwargs):
     launches.setdefault(key, (self, bound))
 JITFunction.run = capture  # nothing runs: the outputs stay uninitialised, and the launches are recorded
 # every method in each dtype at width 16 (the kernels take tiles of several tokens), and the depth-mix
-# reads with and without biases (block_attnres, wav), the stream and MGR kernels at width 1024 too
+# reads with and without biases (block_attnres, wav), the stream, MGR and MUDD kernels at width 1024 too
 # (one token per program, as at GPT-2's widths)
 cases = [(name, 16, dtype, autocast) for name in RESIDUALS
          for dtype, autocast in [(torch.float32, False), (torch.float64, False), (torch.float32, True)]]
-cases += [(name, 1024, torch.float32, False) for name in ('block_attnres', 'wav', 'hc', 'mhc_lite', 'mgr')]
+cases += [(name, 1024, torch.float32, False) for name in ('block_attnres', 'wav', 'hc', 'mhc_lite', 'mgr', 'mudd')]
 for name, width, dtype, autocast in cases:
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2, n_embd=width, n_head=2, block_size=8, vocab_size=32, residual=name)).to(dtype)
@@ -738,8 +738,8 @@ def test_every_triton_kernel_compiles_for_a_cuda_gpu():
                             capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
     count, names = result.stdout.split(' ', 1)
-    tiled = ['_advance_bwd', '_depth_mix_bwd', '_depth_mix_fwd', '_mgr_step_bwd', '_mgr_step_fwd',
-             '_rms_match_bwd', '_rms_match_fwd', '_stream_mix_bwd', '_stream_mix_fwd']
+    tiled = ['_advance_bwd', '_depth_mix_bwd', '_depth_mix_fwd', '_mgr_step_bwd', '_mgr_step_fwd', '_mudd_mix_bwd',
+             '_mudd_mix_fwd', '_rms_match_bwd', '_rms_match_fwd', '_stream_mix_bwd', '_stream_mix_fwd']
     assert names.endswith(f"tiles {tiled}\n"), result.stdout  # one token per program, and several
     assert int(count) >= 60 and all(k in names for k in ('_depth_mix_bwd', '_rms_match_fwd', '_stream_mix_bwd',
                                                          '_advance_bwd', '_mgr_step_bwd')), result.stdout
