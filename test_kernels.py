@@ -447,36 +447,40 @@ def test_shared_source_gradients_equal_the_class_twice_and_from_an_inner_sublaye
     assert all(torch.equal(a, b) for a, b in zip(*two_backwards(residual, backend, n_layer=3, **knobs)))
 
 
+@pytest.mark.parametrize('backend', ['torch', pytest.param('triton', marks=TRITON_MARKS)])
 @pytest.mark.parametrize('residual,knobs', DENSE_VARIANTS)
 @pytest.mark.parametrize('n_layer', [1, 4, 6])
-def test_dense_states_in_one_buffer_equal_the_class(residual, knobs, n_layer):
+def test_dense_states_in_one_buffer_equal_the_class(residual, knobs, n_layer, backend, few_programs):
     """The buffered twins (kernels=torch: one product per mix, forward and backward, gradients
-    handed over by the first reader) against the classes through autograd, in float64: output and
-    the gradients of e and of every routing parameter within 1e-10."""
+    handed over by the first reader; kernels=triton: MUDD's mixes in one kernel each way, in tiles
+    of 4 tokens) against the classes through autograd, in float64: output and the gradients of e
+    and of every routing parameter within 1e-10."""
     if n_layer % knobs.get('denseformer_period', 1):
         pytest.skip('the period must divide n_layer')
-    reference, fast = (dense_run(residual, knobs, n_layer, backend) for backend in ('reference', 'torch'))
+    reference, fast = (dense_run(residual, knobs, n_layer, b) for b in ('reference', backend))
     assert all(rel_rms(got, want) <= 1e-10 for got, want in zip(fast, reference))
 
 
-@pytest.mark.parametrize('residual,knobs', [DENSE_VARIANTS[2], DENSE_VARIANTS[3]])
-def test_dense_states_backpropagate_twice_from_an_inner_sublayer_and_under_autocast(residual, knobs):
+@pytest.mark.parametrize('residual,knobs,backend', [(*DENSE_VARIANTS[2], 'torch'), (*DENSE_VARIANTS[3], 'torch'),
+                                                    pytest.param(*DENSE_VARIANTS[3], 'triton', marks=TRITON_MARKS)])
+def test_dense_states_backpropagate_twice_from_an_inner_sublayer_and_under_autocast(residual, knobs, backend):
     """A retained graph backpropagates again to the same gradients; a backward from an inner
     sublayer's input matches the reference; under bfloat16 autocast the twin is as close to the
-    float32 reference as the reference is (the products run in float32 in both)."""
-    assert all(torch.equal(a, b) for a, b in zip(*two_backwards(residual, n_layer=4, **knobs)))
-    inner = [dense_run(residual, knobs, 6, backend, inner=7) for backend in ('reference', 'torch')]
+    float32 reference as the reference is (the products run in float32 in both: MUDD's kernel too)."""
+    assert all(torch.equal(a, b) for a, b in zip(*two_backwards(residual, backend, n_layer=4, **knobs)))
+    inner = [dense_run(residual, knobs, 6, b, inner=7) for b in ('reference', backend)]
     assert all((got is None and want is None) or rel_rms(got, want) <= 1e-10 for got, want in zip(*inner))
-    twin, reference = bfloat16_errors(residual, n_layer=6, **knobs)
+    twin, reference = bfloat16_errors(residual, backend, n_layer=6, **knobs)
     assert twin <= 1.5 * reference + 1e-3
 
 
-def bfloat16_errors(residual, **overrides):
-    """The gradients (all parameters together) under CPU bfloat16 autocast of the PyTorch twin and of
-    the reference, each as relative RMS from the reference's in float32 (a batch of 2 x 16 tokens)."""
+def bfloat16_errors(residual, twin='torch', **overrides):
+    """The gradients (all parameters together) under CPU bfloat16 autocast of the twin (the PyTorch one,
+    or kernels=triton) and of the reference, each as relative RMS from the reference's in float32 (a
+    batch of 2 x 16 tokens)."""
     idx = torch.randint(27, (2, 16), generator=torch.Generator().manual_seed(0))
     results = {}
-    for backend, bf16 in [('reference', False), ('reference', True), ('torch', True)]:
+    for backend, bf16 in [('reference', False), ('reference', True), (twin, True)]:
         model = tiny_model(residual, **overrides)
         randomize_routing(model)
         model.set_kernels(backend)
@@ -485,7 +489,7 @@ def bfloat16_errors(residual, **overrides):
         loss.backward()
         results[backend, bf16] = torch.cat([p.grad.flatten() for p in model.parameters()])
     want = results['reference', False]
-    return rel_rms(results['torch', True], want), rel_rms(results['reference', True], want)
+    return rel_rms(results[twin, True], want), rel_rms(results['reference', True], want)
 
 
 @pytest.mark.parametrize('residual', ['attnres', 'block_attnres', 'delta_attnres', 'wav', 'mgr'])
@@ -561,7 +565,7 @@ def test_a_training_step_never_waits_for_the_gpu(residual):
 @needs_triton
 @pytest.mark.skipif(not torch.cuda.is_available(), reason='bfloat16 needs the compiled kernels on CUDA '
                     '(the interpreter has no bf16 arithmetic)')
-@pytest.mark.parametrize('residual', ['block_attnres', 'wav', 'mgr', 'hc', 'mhc_lite'])
+@pytest.mark.parametrize('residual', ['block_attnres', 'wav', 'mgr', 'hc', 'mhc_lite', 'mudd'])
 def test_kernels_under_bfloat16_autocast_match_torch(residual):
     """Under autocast the kernels see what training gives them: a float32 embedding beside
     bfloat16 updates, float32 queries. Loss within 1e-2 and gradients (all parameters together)
@@ -690,11 +694,11 @@ def capture(self, *args, grid, warmup, **kwargs):
     launches.setdefault(key, (self, bound))
 JITFunction.run = capture  # nothing runs: the outputs stay uninitialised, and the launches are recorded
 # every method in each dtype at width 16 (the kernels take tiles of several tokens), and the depth-mix
-# reads with and without biases (block_attnres, wav), the stream and MGR kernels at width 1024 too
+# reads with and without biases (block_attnres, wav), the stream, MGR and MUDD kernels at width 1024 too
 # (one token per program, as at GPT-2's widths)
 cases = [(name, 16, dtype, autocast) for name in RESIDUALS
          for dtype, autocast in [(torch.float32, False), (torch.float64, False), (torch.float32, True)]]
-cases += [(name, 1024, torch.float32, False) for name in ('block_attnres', 'wav', 'hc', 'mhc_lite', 'mgr')]
+cases += [(name, 1024, torch.float32, False) for name in ('block_attnres', 'wav', 'hc', 'mhc_lite', 'mgr', 'mudd')]
 for name, width, dtype, autocast in cases:
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2, n_embd=width, n_head=2, block_size=8, vocab_size=32, residual=name)).to(dtype)
@@ -735,8 +739,8 @@ def test_every_triton_kernel_compiles_for_a_cuda_gpu():
                             capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
     count, names = result.stdout.split(' ', 1)
-    tiled = ['_advance_bwd', '_depth_mix_bwd', '_depth_mix_fwd', '_mgr_step_bwd', '_mgr_step_fwd',
-             '_rms_match_bwd', '_rms_match_fwd', '_stream_mix_bwd', '_stream_mix_fwd']
+    tiled = ['_advance_bwd', '_depth_mix_bwd', '_depth_mix_fwd', '_mgr_step_bwd', '_mgr_step_fwd', '_mudd_mix_bwd',
+             '_mudd_mix_fwd', '_rms_match_bwd', '_rms_match_fwd', '_stream_mix_bwd', '_stream_mix_fwd']
     assert names.endswith(f"tiles {tiled}\n"), result.stdout  # one token per program, and several
     assert int(count) >= 60 and all(k in names for k in ('_depth_mix_bwd', '_rms_match_fwd', '_stream_mix_bwd',
                                                          '_advance_bwd', '_mgr_step_bwd')), result.stdout
