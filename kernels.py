@@ -38,7 +38,8 @@ custom ops that launch them.
    (mixed, lse) as the online softmax's starting state, in the same kernel: one launch per read,
    forward and backward. The queries and WAV's biases are split or gathered once per forward, so
    that no read indexes a parameter (each index would cost a full-size zero gradient and a copy in
-   the backward). WAV's RMS matching of its details: one kernel per state.
+   the backward). WAV's RMS matching of its details is done by the reads as they read them (Matched):
+   no matched copy, nor a pass to scale their gradients.
 
 3. HC and mHC-lite keep n copies of the stream; plain autograd saves them at every sublayer (2.1-2.7x
    prenorm's activation memory). The twin keeps only each segment's input streams, the sublayers'
@@ -68,7 +69,7 @@ custom ops that launch them.
 import functools
 import math
 import os
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -161,10 +162,6 @@ def on_device(values, device):
     if device.type == 'cuda' and not torch.cuda.is_current_stream_capturing():
         return torch.tensor(values, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
     return torch.tensor(values, dtype=torch.int64, device=device)
-
-
-def _address_table(tensors):
-    return on_device([t.data_ptr() for t in tensors], tensors[0].device)
 
 
 def accumulator(dtype):
@@ -334,14 +331,55 @@ class DepthMix(torch.autograd.Function):
                 *[cast(g, v.dtype) for g, v in zip(grads, sources)])
 
 
+class Matched(NamedTuple):
+    """A detail that the kernels read matched to its state's RMS (WAV's rms_match: D~ = s D, s = min(rho,
+    RMS(state) / (RMS(D) + eps)) per token, detached): they compute s as they read D, from the RMS of
+    the state, the last source before it in the read that is not matched, so that no matched copy
+    (nor s) is written, and the backward gives D the gradient s dD~ in the same pass."""
+    detail: Tensor
+    state: Tensor
+    rho: float
+
+
+def matched(sources):
+    """A list of sources, tensors or Matched -> the tensors, whether each is matched (1) or not (0), and
+    the matched details' rho (0 if none)."""
+    state, rhos = None, set()
+    for v in sources:
+        if isinstance(v, Matched):
+            assert v.state is state, "a matched detail must follow its state"
+            rhos.add(float(v.rho))
+        else:
+            state = v
+    assert len(rhos) <= 1, "one rho per read"
+    return ([v.detail if isinstance(v, Matched) else v for v in sources],
+            [int(isinstance(v, Matched)) for v in sources], rhos.pop() if rhos else 0.)
+
+
 def depth_mix(queries, bias, sources, backend, prior=None, one=False):
-    """m queries (m, C) read S sources (B, T, C), bias (m, S) or None, merged with a prior (mixed, lse)
-    of sources read before, or None -> mixed (m, B, T, C), lse (m, B, T); one (m = 1): (B, T, C), and
-    lse (B, T) from the kernels, None from DepthMix."""
+    """m queries (m, C) read S sources (B, T, C; the kernels' also Matched), bias (m, S) or None, merged
+    with a prior (mixed, lse) of sources read before, or None -> mixed (m, B, T, C), lse (m, B, T); one
+    (m = 1): (B, T, C), and lse (B, T) from the kernels, None from DepthMix. (The kernels' rows are
+    stacked for m > 1: the schedules take rows from depth_rows instead.)"""
     prior_mixed, prior_lse = (None, None) if prior is None else prior
     if backend == 'triton':
-        return _triton_depth_mix(queries, bias, list(sources), prior_mixed, prior_lse, one)
+        mixed, lse = _triton_depth_mix(queries, bias, *matched(sources), prior_mixed, prior_lse, one)
+        return (mixed[0], lse[0]) if one else (torch.stack(mixed), torch.stack(lse))
     return DepthMix.apply(queries, bias, prior_mixed, prior_lse, one, *sources)
+
+
+def as_rows(mixed, lse):
+    """A read's rows [(mixed_j, lse_j)], (B, T, C) and (B, T): the kernels return them as separate
+    tensors, so that each row's gradient reaches their backward as it is; DepthMix's (m, B, T, C) and
+    (m, B, T) are unbound (its backward takes the gradients as one tensor, which autograd stacks)."""
+    return list(zip(mixed, lse) if isinstance(mixed, (list, tuple)) else zip(mixed.unbind(), lse.unbind()))
+
+
+def depth_rows(queries, bias, sources, backend):
+    """As depth_mix with no prior -> the rows of the m queries (as_rows)."""
+    if backend == 'triton':
+        return as_rows(*_triton_depth_mix(queries, bias, *matched(sources), None, None, False))
+    return as_rows(*DepthMix.apply(queries, bias, None, None, False, *sources))
 
 
 # ----------------------------------------------------------------------------- reads that share their sources' gradients
@@ -366,13 +404,19 @@ class SharedGrads:
         return stacked([self.rinv[id(v)] for v in sources])
 
     def read(self, queries, bias, sources, one=False):
-        """As depth_mix(queries, bias, sources, backend, one=one) -> (mixed, lse)."""
-        keys = [id(v) for v in sources]
-        if len(set(keys)) < len(keys) or self.backend == 'triton' and len(other_dtypes(sources, common_dtype(sources))) > 1:
-            return depth_mix(queries, bias, sources, self.backend, one=one)  # a source twice, or three dtypes
+        """As depth_rows(queries, bias, sources, backend) -> the m queries' rows; one (a single query):
+        as depth_mix(queries, bias, sources, backend, one=True) -> (mixed, lse)."""
+        keys, (tensors, match, rho) = [id(v) for v in sources], matched(sources)  # (a Matched: a source of its own)
+        three_dtypes = self.backend == 'triton' and len(other_dtypes(tensors, common_dtype(tensors))) > 1
+        if len(set(keys)) < len(keys) or three_dtypes:  # a source twice, or three dtypes
+            return depth_mix(queries, bias, sources, self.backend, one=True) if one else depth_rows(
+                queries, bias, sources, self.backend)
         owned = [key not in self.seen for key in keys]
         self.seen.update(keys)
-        return SharedRead.apply(queries, bias, self, keys, owned, one, *sources)
+        out = SharedRead.apply(queries, bias, self, keys, owned, one, (match, rho), *tensors)
+        if one:
+            return out
+        return as_rows(out[:len(out) // 2], out[len(out) // 2:]) if self.backend == 'triton' else as_rows(*out)
 
 
 def shared_grads(backend):
@@ -382,43 +426,45 @@ def shared_grads(backend):
 
 
 class SharedRead(torch.autograd.Function):
-    """One depth read of SharedGrads' sources: forward as depth_mix; backward, each source's share is
-    added into its shared gradient (by the kernel, or in the PyTorch twin's precision) and the
-    gradients of the sources this read owns (it read them first) are returned."""
+    """One depth read of SharedGrads' sources: forward as depth_mix (the kernels: the rows' mixed, then
+    their lse, each a tensor); backward, each source's share is added into its shared gradient (by the
+    kernel, or in the PyTorch twin's precision) and the gradients of the sources this read owns (it
+    read them first) are returned."""
 
     @staticmethod
-    def forward(ctx, queries, bias, shared, keys, owned, one, *sources):
+    def forward(ctx, queries, bias, shared, keys, owned, one, match, *sources):
         if shared.backend == 'triton':
-            mixed, lse = _triton_depth_mix(queries, bias, list(sources), None, None, one)
-            ctx.save_for_backward(queries, bias, mixed, saved_lse(ctx, lse, one), *sources)
+            mixed, lse = _triton_depth_mix(queries, bias, list(sources), *match, None, None, one)
+            ctx.save_for_backward(queries, bias, *saved_rows(ctx, mixed, lse, one), *sources)
+            out = (*mixed, *lse)
         else:
             mixed, lse, saved = mix_torch(queries, bias, sources, None, None, one, shared.inverse_rms(sources))
             ctx.save_for_backward(queries, bias, *saved, *sources)
-            mixed = cast(mixed, common_dtype(sources))
-        ctx.shared, ctx.keys, ctx.owned = shared, keys, owned
+            out = cast(mixed, common_dtype(sources)), lse
+        ctx.shared, ctx.keys, ctx.owned, ctx.match = shared, keys, owned, match
         ctx.set_materialize_grads(False)  # an unused lse gets no gradient, rather than a tensor of zeros
-        return mixed, lse
+        return out
 
     @staticmethod
-    def backward(ctx, grad_mixed, grad_lse):
+    def backward(ctx, *grad_out):
         grads = ctx.shared.grads
         if ctx.shared.backend == 'triton':
-            queries, bias, mixed, lse, *sources = ctx.saved_tensors
-            lse = ctx.lse if lse is None else lse
+            queries, bias, *saved = ctx.saved_tensors
+            mixed, lse, sources = rows_saved(ctx, saved)
             add = [int(key in grads) for key in ctx.keys]
             for key, v in zip(ctx.keys, sources):
                 if key not in grads:  # the last reader of this source, the first to run backward
                     grads[key] = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-            dq, extra = _triton_depth_mix_backward_shared(
-                queries, bias, sources, mixed, lse, torch.zeros_like(mixed) if grad_mixed is None else grad_mixed,
-                grad_lse, [grads[key] for key in ctx.keys], add)
+            dq, extra = _triton_depth_mix_backward_shared(queries, bias, sources, *ctx.match, mixed, lse,
+                                                          grad_out[:len(mixed)], grad_out[len(mixed):],
+                                                          [grads[key] for key in ctx.keys], add)
         else:
-            queries, bias, rinv, scores, weights, *sources = ctx.saved_tensors
+            (grad_mixed, grad_lse), (queries, bias, rinv, scores, weights, *sources) = grad_out, ctx.saved_tensors
             dq, extra, shares = mix_torch_backward(queries, bias, sources, None, (rinv, scores, weights),
                                                    grad_mixed, grad_lse, [grads.get(key) for key in ctx.keys])
             grads.update(zip(ctx.keys, shares))
         owned = [cast(grads.pop(key), v.dtype) if own else None for key, own, v in zip(ctx.keys, ctx.owned, sources)]
-        return dq, extra[0] if bias is not None else None, None, None, None, None, *owned
+        return dq, extra[0] if bias is not None else None, None, None, None, None, None, *owned
 
 
 # ----------------------------------------------------------------------------- the reads the twins make
@@ -429,11 +475,10 @@ class SharedRead(torch.autograd.Function):
 
 def read_many_no_prior(queries, sources, bias, backend, shared=None):
     """Phase 1: many queries (m, C) read the same sources in one pass, with no prior -> their m rows
-    (mixed, lse): (B, T, C), (B, T), for phase 2 to continue. Unbound once: indexing row k of the
-    whole tensor would give every row's backward a zero gradient of the whole size. `shared`: a
-    SharedGrads or None."""
-    mixed, lse = shared.read(queries, bias, sources) if shared else depth_mix(queries, bias, sources, backend)
-    return list(zip(mixed.unbind(), lse.unbind()))
+    (mixed, lse): (B, T, C), (B, T), for phase 2 to continue. Separate tensors from the kernels (see
+    as_rows); DepthMix's unbound once: indexing row k of the whole tensor would give every row's
+    backward a zero gradient of the whole size. `shared`: a SharedGrads or None."""
+    return shared.read(queries, bias, sources) if shared else depth_rows(queries, bias, sources, backend)
 
 
 def read_one_with_prior(row, query, more, bias, backend):
@@ -455,7 +500,8 @@ def read_one_no_prior(query, sources, bias, backend, shared=None):
 
 if triton is not None:
     @triton.jit
-    def _depth_mix_fwd(table, LOW, Q, BIAS, PRIOR, PRIOR_LSE, OUT, LSE, S, M, N, C, eps, HAS_BIAS: tl.constexpr,
+    def _depth_mix_fwd(table, LOW, Q, BIAS, PRIOR, PRIOR_LSE, OUT, LSE, S, M, N, C, eps, rho, match_eps,
+                       HAS_BIAS: tl.constexpr,
                        HAS_PRIOR: tl.constexpr, ACC: tl.constexpr, BM: tl.constexpr, BT: tl.constexpr,
                        BC: tl.constexpr):
         # a tile of BT tokens: (queries, tokens, channels) blocks, (queries, tokens) statistics
@@ -463,9 +509,13 @@ if triton is not None:
         rows, cols = tl.arange(0, BM), tl.arange(0, BC)
         rmask, tmask, cmask = rows < M, toks < N, cols < C
         stat_at, stat_mask = rows[:, None] * N + toks[None, :], rmask[:, None] & tmask[None, :]
-        at = rows[:, None, None] * N * C + toks[None, :, None] * C + cols[None, None, :]
-        mask = stat_mask[:, :, None] & cmask[None, None, :]
         v_at, v_mask = toks[:, None] * C + cols[None, :], tmask[:, None] & cmask[None, :]
+        at = rows[:, None, None] * N * C + v_at[None, :, :]  # (a prior: one tensor, a row per query)
+        mask = stat_mask[:, :, None] & cmask[None, None, :]
+        # each query's rows of the outputs (mixed, lse) by their addresses, table[3S + j] and table[3S + M + j]:
+        # separate tensors, whose gradients reach the backward as they are (none stacked)
+        out = tl.load(table + 3 * S + rows, mask=rmask, other=0).to(tl.pointer_type(OUT.dtype.element_ty))
+        lse_out = tl.load(table + 3 * S + M + rows, mask=rmask, other=0).to(tl.pointer_type(LSE.dtype.element_ty))
         q = tl.load(Q + rows[:, None] * C + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.).to(ACC)
         if HAS_PRIOR:  # the sources read before: one more source, with its log-sum-exp as its logit
             run_max = tl.load(PRIOR_LSE + stat_at, mask=stat_mask, other=0.).to(ACC)
@@ -475,13 +525,20 @@ if triton is not None:
             run_max = tl.full((BM, BT), float('-inf'), ACC)
             run_sum = tl.zeros((BM, BT), ACC)
             acc = tl.zeros((BM, BT, BC), ACC)
+        state_ss = tl.zeros((BT,), ACC)  # the sum of squares of the last source not matched (a state)
         for s in range(S):  # online softmax over the sources: each is read once, in its dtype (table[S + s]:
             addr = tl.load(table + s)  # 0 OUT's, 1 LOW's; inline: the interpreter is slow to call a jit function)
             if tl.load(table + S + s) == 0:
                 v = tl.load(addr.to(tl.pointer_type(OUT.dtype.element_ty)) + v_at, mask=v_mask, other=0.).to(ACC)
             else:
                 v = tl.load(addr.to(tl.pointer_type(LOW.dtype.element_ty)) + v_at, mask=v_mask, other=0.).to(ACC)
-            r = 1 / tl.sqrt(tl.sum(v * v, axis=1) / C + eps)
+            ss = tl.sum(v * v, axis=1)
+            if tl.load(table + 2 * S + s) != 0:  # a matched detail (Matched): scaled to its state's RMS
+                v *= tl.minimum(tl.sqrt(state_ss / C) / (tl.sqrt(ss / C) + match_eps), rho)[:, None]
+                ss = tl.sum(v * v, axis=1)
+            else:
+                state_ss = ss
+            r = 1 / tl.sqrt(ss / C + eps)
             logit = r[None, :] * tl.sum(q[:, None, :] * v[None, :, :], axis=2)
             if HAS_BIAS:
                 logit += tl.load(BIAS + rows * S + s, mask=rmask, other=0.).to(ACC)[:, None]
@@ -491,33 +548,44 @@ if triton is not None:
             acc = acc * old[:, :, None] + p[:, :, None] * v[None, :, :]
             run_max = new_max
         mixed = acc / run_sum[:, :, None]
-        tl.store(OUT + at, mixed.to(OUT.dtype.element_ty), mask=mask)
-        tl.store(LSE + stat_at, run_max + tl.log(run_sum), mask=stat_mask)
+        tl.store(out[:, None, None] + v_at[None, :, :], mixed.to(OUT.dtype.element_ty), mask=mask)
+        tl.store(lse_out[:, None] + toks[None, :], run_max + tl.log(run_sum), mask=stat_mask)
 
     @triton.jit
     def _depth_mix_bwd(table, LOW, Q, BIAS, PRIOR, PRIOR_LSE, OUT, LSE, G, GLSE, DQ, DB, D_PRIOR,
-                       D_PRIOR_LSE, S, M, N, C, eps, HAS_BIAS: tl.constexpr, HAS_PRIOR: tl.constexpr,
+                       D_PRIOR_LSE, S, M, N, C, eps, rho, match_eps, HAS_BIAS: tl.constexpr, HAS_PRIOR: tl.constexpr,
                        HAS_GLSE: tl.constexpr, ACC: tl.constexpr, BM: tl.constexpr, BT: tl.constexpr,
                        BC: tl.constexpr, BS: tl.constexpr):
         pid, programs = tl.program_id(0), tl.num_programs(0)
         rows, cols, srcs = tl.arange(0, BM), tl.arange(0, BC), tl.arange(0, BS)
         rmask, cmask = rows < M, cols < C
         q = tl.load(Q + rows[:, None] * C + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.).to(ACC)
+        # each query's rows by their addresses, as in the forward: table[5S + j] its mixed, then its lse, then
+        # their gradients (address 0: none, read as zeros)
+        rows_at = table + 5 * S + rows
+        out = tl.load(rows_at, mask=rmask, other=0).to(tl.pointer_type(OUT.dtype.element_ty))
+        lse_rows = tl.load(rows_at + M, mask=rmask, other=0).to(tl.pointer_type(LSE.dtype.element_ty))
+        g_rows, glse_rows = tl.load(rows_at + 2 * M, mask=rmask, other=0), tl.load(rows_at + 3 * M, mask=rmask, other=0)
+        g_given, glse_given = g_rows != 0, glse_rows != 0
+        g_rows = g_rows.to(tl.pointer_type(G.dtype.element_ty))
+        glse_rows = glse_rows.to(tl.pointer_type(GLSE.dtype.element_ty))
         dq = tl.zeros((BM, BC), ACC)
         db = tl.zeros((BM, BS), ACC)
         for tile in range(pid, tl.cdiv(N, BT), programs):  # each program: every programs-th tile of BT tokens
             toks = (pid.to(tl.int64) + (tile - pid)) * BT + tl.arange(0, BT)  # int64 (the interpreter: Python ints)
             tmask = toks < N
             stat_at, stat_mask = rows[:, None] * N + toks[None, :], rmask[:, None] & tmask[None, :]
-            at = rows[:, None, None] * N * C + toks[None, :, None] * C + cols[None, None, :]
-            mask = stat_mask[:, :, None] & cmask[None, None, :]
             v_at, v_mask = toks[:, None] * C + cols[None, :], tmask[:, None] & cmask[None, :]
-            g = tl.load(G + at, mask=mask, other=0.).to(ACC)
-            g_out = tl.sum(g * tl.load(OUT + at, mask=mask, other=0.).to(ACC), axis=2)
+            at = rows[:, None, None] * N * C + v_at[None, :, :]  # (a prior's)
+            mask = stat_mask[:, :, None] & cmask[None, None, :]
+            g = tl.load(g_rows[:, None, None] + v_at[None, :, :], mask=mask & g_given[:, None, None],
+                        other=0.).to(ACC)
+            g_out = tl.sum(g * tl.load(out[:, None, None] + v_at[None, :, :], mask=mask, other=0.).to(ACC), axis=2)
             g_lse = tl.zeros((BM, BT), ACC)
             if HAS_GLSE:
-                g_lse = tl.load(GLSE + stat_at, mask=stat_mask, other=0.).to(ACC)
-            lse = tl.load(LSE + stat_at, mask=stat_mask, other=0.).to(ACC)
+                g_lse = tl.load(glse_rows[:, None] + toks[None, :], mask=stat_mask & glse_given[:, None],
+                                other=0.).to(ACC)
+            lse = tl.load(lse_rows[:, None] + toks[None, :], mask=stat_mask, other=0.).to(ACC)
             if HAS_PRIOR:
                 prior = tl.load(PRIOR + at, mask=mask, other=0.).to(ACC)
                 prior_lse = tl.load(PRIOR_LSE + stat_at, mask=stat_mask, other=0.).to(ACC)
@@ -525,13 +593,21 @@ if triton is not None:
                 tl.store(D_PRIOR + at, (w[:, :, None] * g).to(D_PRIOR.dtype.element_ty), mask=mask)
                 tl.store(D_PRIOR_LSE + stat_at, (w * (tl.sum(g * prior, axis=2) - g_out + g_lse)).to(
                     D_PRIOR_LSE.dtype.element_ty), mask=stat_mask)
+            state_ss = tl.zeros((BT,), ACC)
             for s in range(S):  # as in the forward
                 addr, low = tl.load(table + s), tl.load(table + S + s)
                 if low == 0:
                     v = tl.load(addr.to(tl.pointer_type(OUT.dtype.element_ty)) + v_at, mask=v_mask, other=0.).to(ACC)
                 else:
                     v = tl.load(addr.to(tl.pointer_type(LOW.dtype.element_ty)) + v_at, mask=v_mask, other=0.).to(ACC)
-                r = 1 / tl.sqrt(tl.sum(v * v, axis=1) / C + eps)
+                ss, scale = tl.sum(v * v, axis=1), tl.full((BT,), 1., ACC)
+                if tl.load(table + 2 * S + s) != 0:
+                    scale = tl.minimum(tl.sqrt(state_ss / C) / (tl.sqrt(ss / C) + match_eps), rho)
+                    v *= scale[:, None]
+                    ss = tl.sum(v * v, axis=1)
+                else:
+                    state_ss = ss
+                r = 1 / tl.sqrt(ss / C + eps)
                 score = r[None, :] * tl.sum(q[:, None, :] * v[None, :, :], axis=2)
                 logit = score
                 if HAS_BIAS:
@@ -539,9 +615,9 @@ if triton is not None:
                 w = tl.where(stat_mask, tl.exp(logit - lse), 0.)
                 dl = w * (tl.sum(g * v[None, :, :], axis=2) - g_out + g_lse)  # d loss / d logit
                 dv = (tl.sum(w[:, :, None] * g, axis=0) + r[:, None] * tl.sum(dl[:, :, None] * q[:, None, :], axis=0)
-                      - (r * r * tl.sum(dl * score, axis=0) / C)[:, None] * v)
-                # each source's gradient in its dtype, written, or added (table[3S + s] = 1) to what other reads
-                dv_at, add = tl.load(table + 2 * S + s), tl.load(table + 3 * S + s)  # of it wrote there
+                      - (r * r * tl.sum(dl * score, axis=0) / C)[:, None] * v) * scale[:, None]  # (s detached)
+                # each source's gradient in its dtype, written, or added (table[4S + s] = 1) to what other reads
+                dv_at, add = tl.load(table + 3 * S + s), tl.load(table + 4 * S + s)  # of it wrote there
                 if low == 0:  # (no name may hold two pointer types: the compiler refuses)
                     dv_hi = dv_at.to(tl.pointer_type(OUT.dtype.element_ty)) + v_at
                     if add != 0:
@@ -571,139 +647,159 @@ def readable(sources, dtype):
     return sources, next((v for v in sources if v.dtype != dtype), None)
 
 
-def source_table(sources, dtype, grads=(), add=()):
+def source_table(sources, match, dtype, grads=(), add=(), rows=()):
     """One table for a depth-mix kernel (one copy to the GPU): the sources' addresses, their kinds
-    (0: `dtype`, 1: the other), and backward the addresses of their gradients and whether each is
-    written (0) or added to (1)."""
-    return on_device([v.data_ptr() for v in sources] + [int(v.dtype != dtype) for v in sources]
-                     + [g.data_ptr() for g in grads] + list(add), sources[0].device)
+    (0: `dtype`, 1: the other), whether each is a matched detail (1; see Matched), backward the
+    addresses of their gradients and whether each is written (0) or added to (1), then the addresses
+    of the queries' rows (0: a gradient that is none)."""
+    return on_device([v.data_ptr() for v in sources] + [int(v.dtype != dtype) for v in sources] + list(match)
+                     + [g.data_ptr() for g in grads] + list(add) + [0 if t is None else t.data_ptr() for t in rows],
+                     sources[0].device)
 
 
 @torch.library.custom_op('resroute::depth_mix', mutates_args=())
-def _triton_depth_mix(queries: Tensor, bias: Optional[Tensor], sources: List[Tensor], prior_mixed: Optional[Tensor],
-                      prior_lse: Optional[Tensor], one: bool) -> Tuple[Tensor, Tensor]:
-    """mixed (m, B, T, C), lse (m, B, T), as DepthMix; one (a single query): (B, T, C), (B, T). The bias:
-    any contiguous tensor of m S numbers (a query's row after another); its gradient has its shape."""
+def _triton_depth_mix(queries: Tensor, bias: Optional[Tensor], sources: List[Tensor], match: List[int], rho: float,
+                      prior_mixed: Optional[Tensor], prior_lse: Optional[Tensor],
+                      one: bool) -> Tuple[List[Tensor], List[Tensor]]:
+    """The m queries' rows, mixed (B, T, C) and lse (B, T) each: DepthMix's (m, B, T, C) and (m, B, T)
+    as separate tensors (see as_rows). The sources with match[s] = 1 are read matched (Matched, rho).
+    A prior: (m, B, T, C) and (m, B, T), or a row each for one query. one: a single query's read,
+    whose lse no one reads. The bias: any contiguous tensor of m S numbers (a query's row after
+    another); its gradient has its shape."""
     dtype = _mix_dtype(sources, prior_mixed)
     acc, acc_tl = accumulator(dtype)
     sources, low = readable(sources, dtype)
     (m, C), S, N = queries.shape, len(sources), sources[0].numel() // queries.shape[1]
-    rows = () if one else (m,)
-    mixed = sources[0].new_empty(rows + sources[0].shape, dtype=dtype)
-    lse = torch.empty(rows + sources[0].shape[:-1], device=queries.device, dtype=acc)
+    mixed = [sources[0].new_empty(sources[0].shape, dtype=dtype) for _ in range(m)]
+    lse = [torch.empty(sources[0].shape[:-1], device=queries.device, dtype=acc) for _ in range(m)]
     BT = token_tile(m, C, N)
-    _depth_mix_fwd[(triton.cdiv(N, BT),)](source_table(sources, dtype), mixed if low is None else low,
+    _depth_mix_fwd[(triton.cdiv(N, BT),)](source_table(sources, match, dtype, rows=mixed + lse),
+                         mixed[0] if low is None else low,
                          queries.contiguous(), bias if bias is None else bias.contiguous(),
                          prior_mixed if prior_mixed is None else prior_mixed.contiguous(),
-                         prior_lse if prior_lse is None else prior_lse.contiguous(), mixed, lse,
-                         S, m, N, C, RMS_EPS, HAS_BIAS=bias is not None, HAS_PRIOR=prior_mixed is not None,
+                         prior_lse if prior_lse is None else prior_lse.contiguous(), mixed[0], lse[0],
+                         S, m, N, C, RMS_EPS, rho, MATCH_EPS, HAS_BIAS=bias is not None,
+                         HAS_PRIOR=prior_mixed is not None,
                          ACC=acc_tl, BM=next_pow2(m), BT=BT, BC=next_pow2(C))
     return mixed, lse
 
 
 @_triton_depth_mix.register_fake
-def _(queries, bias, sources, prior_mixed, prior_lse, one):
-    rows, shape, dtype = () if one else queries.shape[:1], sources[0].shape, _mix_dtype(sources, prior_mixed)
-    return (sources[0].new_empty(rows + shape, dtype=dtype),
-            queries.new_empty(rows + shape[:-1], dtype=accumulator(dtype)[0]))
+def _(queries, bias, sources, match, rho, prior_mixed, prior_lse, one):
+    shape, dtype = sources[0].shape, _mix_dtype(sources, prior_mixed)
+    return ([sources[0].new_empty(shape, dtype=dtype) for _ in range(len(queries))],
+            [queries.new_empty(shape[:-1], dtype=accumulator(dtype)[0]) for _ in range(len(queries))])
 
 
-def saved_lse(ctx, lse, one):
-    """The lse a read saves for its backward. A single query's (one) has no reader after the read: it is
-    marked non-differentiable and kept on ctx instead (autograd detaches each output it saves, once when
-    saved and once when unpacked; a tensor without a graph node makes no reference cycle there) -> the
-    lse to save, or None (then ctx.lse)."""
-    ctx.lse = lse if one else None
+def saved_rows(ctx, mixed, lse, one):
+    """The rows a read saves for its backward (rows_saved unpacks them): mixed and lse; a single query's
+    lse (one) has no reader after the read: it is marked non-differentiable and kept on ctx instead
+    (autograd detaches each output it saves, once when saved and once when unpacked; a tensor without a
+    graph node makes no reference cycle there) -> the rows to save."""
+    ctx.rows, ctx.lse = len(mixed), lse if one else None
     if one:
-        ctx.mark_non_differentiable(lse)
-    return None if one else lse
+        ctx.mark_non_differentiable(*lse)
+    return [*mixed] if one else [*mixed, *lse]
+
+
+def rows_saved(ctx, saved):
+    """saved_rows's rows at the head of `saved` -> mixed, lse, the rest."""
+    m = ctx.rows
+    return (saved[:m], ctx.lse, saved[m:]) if ctx.lse is not None else (saved[:m], saved[m:2 * m], saved[2 * m:])
 
 
 def _depth_mix_setup(ctx, inputs, output):
-    queries, bias, sources, prior_mixed, prior_lse, one = inputs
-    mixed, lse = output
-    ctx.save_for_backward(queries, bias, prior_mixed, prior_lse, mixed, saved_lse(ctx, lse, one), *sources)
-    ctx.set_materialize_grads(False)  # an unused lse gets no gradient, rather than a tensor of zeros
+    queries, bias, sources, match, rho, prior_mixed, prior_lse, one = inputs
+    ctx.match = match, rho
+    ctx.save_for_backward(queries, bias, prior_mixed, prior_lse, *saved_rows(ctx, *output, one), *sources)
+    ctx.set_materialize_grads(False)  # an unused row gets no gradient (the kernel reads zeros), not a tensor of zeros
 
 
 def _depth_mix_grads(ctx, grad_mixed, grad_lse):
-    queries, bias, prior_mixed, prior_lse, mixed, lse, *sources = ctx.saved_tensors
-    lse = ctx.lse if lse is None else lse
-    if grad_mixed is None:  # only lse was used
-        grad_mixed = torch.zeros_like(mixed)
-    dq, grads, extra = _triton_depth_mix_backward(queries, bias, sources, prior_mixed, prior_lse, mixed, lse,
-                                                  grad_mixed, grad_lse)
+    queries, bias, prior_mixed, prior_lse, *saved = ctx.saved_tensors
+    mixed, lse, sources = rows_saved(ctx, saved)
+    dq, grads, extra = _triton_depth_mix_backward(queries, bias, sources, *ctx.match, prior_mixed, prior_lse, mixed,
+                                                  lse, grad_mixed, grad_lse)
     extra = iter(extra)
     db = next(extra) if bias is not None else None
-    return dq, db, grads, next(extra, None), next(extra, None), None
+    return dq, db, grads, None, None, next(extra, None), next(extra, None), None
 
 
 _triton_depth_mix.register_autograd(_depth_mix_grads, setup_context=_depth_mix_setup)
 
 
 @torch.library.custom_op('resroute::depth_mix_backward', mutates_args=())
-def _triton_depth_mix_backward(queries: Tensor, bias: Optional[Tensor], sources: List[Tensor],
-                               prior_mixed: Optional[Tensor], prior_lse: Optional[Tensor], mixed: Tensor, lse: Tensor,
-                               grad_mixed: Tensor, grad_lse: Optional[Tensor]) -> Tuple[Tensor, List[Tensor], List[Tensor]]:
-    """The gradients of the queries, of the sources, and of the bias and the prior where given."""
+def _triton_depth_mix_backward(queries: Tensor, bias: Optional[Tensor], sources: List[Tensor], match: List[int],
+                               rho: float, prior_mixed: Optional[Tensor], prior_lse: Optional[Tensor],
+                               mixed: List[Tensor], lse: List[Tensor], grad_mixed: List[Optional[Tensor]],
+                               grad_lse: List[Optional[Tensor]]) -> Tuple[Tensor, List[Tensor], List[Tensor]]:
+    """The gradients of the queries, of the sources, and of the bias and the prior where given, from the
+    rows' gradients (None: none)."""
     dtypes = [v.dtype for v in sources]
-    sources = readable(sources, mixed.dtype)[0]
+    sources = readable(sources, mixed[0].dtype)[0]
     grads = [torch.empty_like(v) for v in sources]
-    dq, extra = _depth_mix_backward_into(queries, bias, sources, prior_mixed, prior_lse, mixed, lse, grad_mixed,
-                                         grad_lse, grads, [0] * len(sources))
+    dq, extra = _depth_mix_backward_into(queries, bias, sources, match, rho, prior_mixed, prior_lse, mixed, lse,
+                                         grad_mixed, grad_lse, grads, [0] * len(sources))
     return dq, [cast(g, t) for g, t in zip(grads, dtypes)], extra
 
 
 @_triton_depth_mix_backward.register_fake
-def _(queries, bias, sources, prior_mixed, prior_lse, mixed, lse, grad_mixed, grad_lse):
+def _(queries, bias, sources, match, rho, prior_mixed, prior_lse, mixed, lse, grad_mixed, grad_lse):
     extra = [t for t in (bias, prior_mixed, prior_lse) if t is not None]
     return torch.empty_like(queries), [torch.empty_like(v) for v in sources], [torch.empty_like(t) for t in extra]
 
 
-def _depth_mix_backward_into(queries, bias, sources, prior_mixed, prior_lse, mixed, lse, grad_mixed, grad_lse,
-                             grads, add):
+def _depth_mix_backward_into(queries, bias, sources, match, rho, prior_mixed, prior_lse, mixed, lse, grad_mixed,
+                             grad_lse, grads, add):
     """The backward kernel's launch: each source's gradient written into, or added (add[s] = 1) to,
-    grads[s]; -> the queries' gradient, [the bias's] + [the prior's two] where given."""
-    sources, low = readable(sources, mixed.dtype)
-    acc, acc_tl = accumulator(mixed.dtype)
+    grads[s]; -> the queries' gradient, [the bias's] + [the prior's two] where given. The rows (mixed,
+    lse) and their gradients (None: none) by their addresses."""
+    dtype = mixed[0].dtype
+    sources, low = readable(sources, dtype)
+    acc, acc_tl = accumulator(dtype)
     (m, C), S, N = queries.shape, len(sources), sources[0].numel() // queries.shape[1]
     BT = token_tile(m, C, N)
     programs = reduction_programs(triton.cdiv(N, BT))
-    dq = torch.empty((programs, m, C), device=mixed.device, dtype=acc)
-    db = torch.empty((programs,) + bias.shape, device=mixed.device, dtype=acc) if bias is not None else None
+    dq = torch.empty((programs, m, C), device=queries.device, dtype=acc)
+    db = torch.empty((programs,) + bias.shape, device=queries.device, dtype=acc) if bias is not None else None
     has_prior = prior_mixed is not None
     d_prior = torch.empty_like(prior_mixed) if has_prior else None
     d_prior_lse = torch.empty_like(prior_lse) if has_prior else None
-    _depth_mix_bwd[(programs,)](source_table(sources, mixed.dtype, grads, add), mixed if low is None else low,
-                                queries.contiguous(),
+    grad_mixed, grad_lse = ([None if g is None else g.contiguous() for g in rows] for rows in (grad_mixed, grad_lse))
+    table = source_table(sources, match, dtype, grads, add, [*mixed, *lse, *grad_mixed, *grad_lse])
+    given = lambda rows, default: next((t for t in rows if t is not None), default)  # (their pointer types)
+    _depth_mix_bwd[(programs,)](table, mixed[0] if low is None else low, queries.contiguous(),
                                 bias if bias is None else bias.contiguous(),
                                 prior_mixed if prior_mixed is None else prior_mixed.contiguous(),
-                                prior_lse if prior_lse is None else prior_lse.contiguous(), mixed, lse,
-                                grad_mixed.contiguous(), grad_lse if grad_lse is None else grad_lse.contiguous(),
-                                dq, db, d_prior, d_prior_lse, S, m, N, C, RMS_EPS, HAS_BIAS=bias is not None,
-                                HAS_PRIOR=has_prior, HAS_GLSE=grad_lse is not None, ACC=acc_tl,
+                                prior_lse if prior_lse is None else prior_lse.contiguous(), mixed[0], lse[0],
+                                given(grad_mixed, mixed[0]), given(grad_lse, lse[0]),
+                                dq, db, d_prior, d_prior_lse, S, m, N, C, RMS_EPS, rho, MATCH_EPS,
+                                HAS_BIAS=bias is not None,
+                                HAS_PRIOR=has_prior, HAS_GLSE=given(grad_lse, None) is not None, ACC=acc_tl,
                                 BM=next_pow2(m), BT=BT, BC=next_pow2(C), BS=next_pow2(S))
     extra = ([] if db is None else [db.sum(0).to(bias.dtype)]) + ([d_prior, d_prior_lse] if has_prior else [])
     return dq.sum(0).to(queries.dtype), extra
 
 
 @torch.library.custom_op('resroute::depth_mix_backward_shared', mutates_args=('grads',))
-def _triton_depth_mix_backward_shared(queries: Tensor, bias: Optional[Tensor], sources: List[Tensor], mixed: Tensor,
-                                      lse: Tensor, grad_mixed: Tensor, grad_lse: Optional[Tensor], grads: List[Tensor],
-                                      add: List[int]) -> Tuple[Tensor, List[Tensor]]:
+def _triton_depth_mix_backward_shared(queries: Tensor, bias: Optional[Tensor], sources: List[Tensor],
+                                      match: List[int], rho: float, mixed: List[Tensor], lse: List[Tensor],
+                                      grad_mixed: List[Optional[Tensor]], grad_lse: List[Optional[Tensor]],
+                                      grads: List[Tensor], add: List[int]) -> Tuple[Tensor, List[Tensor]]:
     """A SharedRead's backward (see there): the sources' gradients into `grads`."""
-    return _depth_mix_backward_into(queries, bias, sources, None, None, mixed, lse, grad_mixed, grad_lse, grads, add)
+    return _depth_mix_backward_into(queries, bias, sources, match, rho, None, None, mixed, lse, grad_mixed,
+                                    grad_lse, grads, add)
 
 
 @_triton_depth_mix_backward_shared.register_fake
-def _(queries, bias, sources, mixed, lse, grad_mixed, grad_lse, grads, add):
+def _(queries, bias, sources, match, rho, mixed, lse, grad_mixed, grad_lse, grads, add):
     return torch.empty_like(queries), [] if bias is None else [torch.empty_like(bias)]
 
 
 def triton_depth_mix(queries, bias, sources, prior=None):
     """DepthMix in Triton: queries (m, C), bias (m, S) or None, a list of S sources (B, T, C), a prior
     (mixed, lse) or None -> mixed (m, B, T, C), lse (m, B, T) (float32, or float64 for float64 sources)."""
-    return _triton_depth_mix(queries, bias, list(sources), *((None, None) if prior is None else prior), False)
+    return depth_mix(queries, bias, sources, 'triton', prior)
 
 
 # ============================================================================= 2. the AttnRes family and WAV
@@ -712,7 +808,8 @@ def triton_depth_mix(queries, bias, sources, prior=None):
 # the AttnRes paper's two phases: the queries of a block (Full and Delta AttnRes: of a chunk of about
 # sqrt(L) sublayers) read the block's finished sources in one pass; each sublayer continues its row
 # with the sources of its own block. WAV's details are matched to their state's RMS (rms_match:
-# D~ = s D, s = min(rho, RMS(C) / (RMS(D) + eps)) per token, detached).
+# D~ = s D, s = min(rho, RMS(C) / (RMS(D) + eps)) per token, detached); with the kernels, a read of
+# D~ reads D and its state C and computes s itself (Matched), and its backward gives D s dD~.
 
 # ----------------------------------------------------------------------------- the PyTorch twins
 
@@ -803,12 +900,11 @@ def rms_match_torch(details, state, rho, eps=MATCH_EPS):
 
 
 def rms_match(details, state, rho, backend):
-    """The matched details D~_d of `details` against the state (WAV)."""
-    if not details:
-        return []
+    """The matched details D~_d of `details` against the state (WAV): the PyTorch twin's copies; the
+    kernels' are Matched, matched by the reads as they read them (which take each after its state)."""
     if backend == 'triton':
-        return _triton_rms_match(state, list(details), rho)[0]
-    return rms_match_torch(details, state, rho)
+        return [Matched(d, state, rho) for d in details]
+    return rms_match_torch(details, state, rho) if details else []
 
 
 def wav_plan(module, L):
@@ -888,102 +984,6 @@ def wav(module, x, sublayers, backend):
     if not module.detail_readout:
         sources = [s for s, t in zip(sources, types) if t < 0]
     return read_one_no_prior(queries[L], sources, next(biases), backend, shared)
-
-
-# ----------------------------------------------------------------------------- the Triton kernels: WAV's RMS matching
-
-if triton is not None:
-    @triton.jit
-    def _rms_match_fwd(table, STATE, SCALE, D, N, C, rho, eps, ACC: tl.constexpr, BT: tl.constexpr,
-                       BC: tl.constexpr):
-        toks = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)  # a tile of BT tokens
-        cols = tl.arange(0, BC)
-        tmask = toks < N
-        at, mask = toks[:, None] * C + cols[None, :], tmask[:, None] & (cols < C)[None, :]
-        c = tl.load(STATE + at, mask=mask, other=0.).to(ACC)
-        rms_c = tl.sqrt(tl.sum(c * c, axis=1) / C)
-        for d in range(D):  # every detail against the same state, each read once
-            ptr = tl.load(table + d).to(tl.pointer_type(STATE.dtype.element_ty))
-            v = tl.load(ptr + at, mask=mask, other=0.).to(ACC)
-            scale = tl.minimum(rms_c / (tl.sqrt(tl.sum(v * v, axis=1) / C) + eps), rho)
-            out = tl.load(table + D + d).to(tl.pointer_type(STATE.dtype.element_ty))
-            tl.store(out + at, (v * scale[:, None]).to(STATE.dtype.element_ty), mask=mask)
-            tl.store(SCALE + d * N + toks, scale, mask=tmask)
-
-    @triton.jit
-    def _rms_match_bwd(table, G, SCALE, D, N, C, BT: tl.constexpr, BC: tl.constexpr):
-        toks = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
-        cols = tl.arange(0, BC)
-        tmask = toks < N
-        at, mask = toks[:, None] * C + cols[None, :], tmask[:, None] & (cols < C)[None, :]
-        for d in range(D):  # the scale is detached: each detail's gradient is the output's, scaled
-            g_ptr = tl.load(table + d).to(tl.pointer_type(G.dtype.element_ty))
-            g = tl.load(g_ptr + at, mask=mask, other=0.).to(SCALE.dtype.element_ty)
-            scale = tl.load(SCALE + d * N + toks, mask=tmask, other=0.)
-            out = tl.load(table + D + d).to(tl.pointer_type(G.dtype.element_ty))
-            tl.store(out + at, (g * scale[:, None]).to(G.dtype.element_ty), mask=mask)
-
-
-@torch.library.custom_op('resroute::rms_match', mutates_args=())
-def _triton_rms_match(state: Tensor, details: List[Tensor], rho: float) -> Tuple[List[Tensor], Tensor]:
-    dtype = common_dtype([state, *details])
-    acc, acc_tl = accumulator(dtype)
-    state, details = state.to(dtype).contiguous(), promoted(details, dtype)
-    N, C = state.numel() // state.shape[-1], state.shape[-1]
-    matched = [torch.empty_like(d) for d in details]
-    scales = torch.empty((len(details), N), device=state.device, dtype=acc)
-    BT = token_tile(1, C, N)
-    _rms_match_fwd[(triton.cdiv(N, BT),)](_address_table(details + matched), state, scales, len(details), N, C,
-                                          rho, MATCH_EPS, ACC=acc_tl, BT=BT, BC=next_pow2(C))
-    return matched, scales
-
-
-@_triton_rms_match.register_fake
-def _(state, details, rho):
-    dtype = common_dtype([state, *details])
-    return ([torch.empty_like(d, dtype=dtype) for d in details],
-            state.new_empty((len(details), state.numel() // state.shape[-1]), dtype=accumulator(dtype)[0]))
-
-
-@torch.library.custom_op('resroute::rms_match_backward', mutates_args=())
-def _triton_rms_match_backward(grads: List[Tensor], scales: Tensor) -> List[Tensor]:
-    grads = promoted(grads, common_dtype(grads))  # in their dtype (computed in the scales')
-    N, C = scales.shape[1], grads[0].shape[-1]
-    out = [torch.empty_like(g) for g in grads]
-    BT = token_tile(1, C, N)
-    _rms_match_bwd[(triton.cdiv(N, BT),)](_address_table(grads + out), grads[0], scales, len(grads), N, C, BT=BT,
-                                          BC=next_pow2(C))
-    return out
-
-
-@_triton_rms_match_backward.register_fake
-def _(grads, scales):
-    return [torch.empty_like(g, dtype=common_dtype(grads)) for g in grads]
-
-
-def _rms_match_setup(ctx, inputs, output):
-    # The scales are detached (WAV's matching): non-differentiable, they have no autograd node, so ctx
-    # can hold them without a reference cycle, and without the two detaches (forward and backward)
-    # with which autograd keeps a saved output. (They then live until the graph is freed, not only
-    # until its backward: a few numbers per token.)
-    ctx.mark_non_differentiable(output[1])
-    ctx.scales, ctx.dtypes = output[1], [d.dtype for d in inputs[1]]
-    ctx.set_materialize_grads(False)  # an unread matched detail gets no gradient, rather than zeros
-
-
-def _rms_match_grads(ctx, grad_matched, grad_scales):
-    """Each detail's gradient is its output's times its (detached) scale."""
-    scales = ctx.scales
-    used = [k for k, g in enumerate(grad_matched) if g is not None]
-    grads = [None] * len(grad_matched)
-    if used:
-        scales = scales if len(used) == len(grads) else scales[used]
-        for k, g in zip(used, _triton_rms_match_backward([grad_matched[k] for k in used], scales)):
-            grads[k] = g.to(ctx.dtypes[k])
-    return None, grads, None
-
-
-_triton_rms_match.register_autograd(_rms_match_grads, setup_context=_rms_match_setup)
 
 
 # ============================================================================= 3. HC and mHC-lite: recomputed streams
