@@ -48,6 +48,10 @@ custom ops that launch them.
    copies or per-sublayer parameter rows. With Triton, a sublayer's step (the streams' RMS, HC's
    projection XW, the connections from it, the mixing) is one kernel forward and one backward
    (mHC-lite's projection: GEMMs beside them); the replay reuses the forward kernel on the saved XW.
+   Between two sublayers the kernels carry the streams as the last H', post and f(h), and each step's
+   kernels form H' + post^T f(h) as they read them: the streams' update is no pass of its own, forward,
+   replay or backward (its backward is in the next step's backward kernel; mHC-lite's, whose GEMMs
+   need the whole gradient, a kernel after them).
 
 4. MGR step: the gates, the streams' convex update and the next sublayer's AttnPool in one pass over
    the streams. Its backward can rebuild the input streams from the output streams by inverting the
@@ -1305,22 +1309,18 @@ def torch_stream_plan(coefficients, connections, H, L):
 
 
 def triton_stream_plan(coefficients, connections, H, L):
-    """As torch_stream_plan with the kernels, which carry the streams as (H, post, u). HC's: the last
+    """As torch_stream_plan with the kernels, which carry the streams as (H, post, u): the last
     sublayer's H' and post and its update f(h), from which each step's kernels (forward, replay and
     backward) form the streams H' + post^T u as they read them, so that the n streams are never
-    written between two sublayers and the update's backward is in the step's; only the readout's
-    streams are formed outside, by Advance. mHC-lite's projection is a GEMM of the streams, so they
-    are written (H, None, None). The first sublayer's: e's n copies (a stride-0 stream dimension)."""
+    written between two sublayers; only the readout's streams are formed outside, by Advance. The
+    first sublayer's: (e's n copies, a stride-0 stream dimension, None, None)."""
     kind, params = triton_stream_params(connections)
     grads = StreamGrads(kind, params, getattr(connections, 'proj', None))
     # mHC-lite's projections one per sublayer: one backward node gathers their gradients
     projections = connections.proj.unbind() if kind == MHC else [grads.W] * L
     mix = lambda state, i, segment: TritonStreamMix.apply(*state, projections[i], segment, grads, *params)
-    if kind == MHC:
-        join = lambda mixed, post, u, segment: (Advance.apply(mixed, post, u, 'triton'), None, None)
-    else:
-        join = lambda mixed, post, u, segment: (mixed, post, u)
-    step = lambda state, c, u: join(*_triton_stream_mix(*state, c[0], None, params, c[1], kind, True)[1:3], u, None)
+    join = lambda mixed, post, u, segment: (mixed, post, u)
+    step = lambda state, c, u: (*_triton_stream_mix(*state, c[0], None, None, params, c[1], kind, True)[1:3], u)
     last = lambda state: state[0] if state[1] is None else Advance.apply(*state, 'triton')
     return (H, None, None), mix, join, step, last
 
@@ -1347,9 +1347,15 @@ def compiled_streams(module, connections, H, sublayers):
 # the connections from it, the mixing A^T H and the outputs h, H', post. One kernel backward, on the
 # rebuilt streams: the mixing's, the connections' and (HC) the projection's gradients, and each program's
 # partial sums of the parameters' gradients (no atomics; HC's W among them: C (n + 2) numbers a program,
-# where mHC-lite's n C (2n + n!) would be 16x as many: its two GEMMs stay outside). The streams are
-# rebuilt by the same forward kernel from the saved XW (a few numbers per token), and H <- H' + post^T f(h)
-# has a one-kernel backward. Kinds: HC (dynamic), HC static, mHC-lite.
+# where mHC-lite's n C (2n + n!) would be 16x as many: its GEMMs stay outside). The streams are rebuilt
+# by the same forward kernel from the saved XW (a few numbers per token). The update H <- H' + post^T f(h)
+# is never written: the next step's kernels take the last H', post and u = f(h) and form the streams as
+# they read them (ADD), forward, replay and backward, and HC's backward kernel does the update's backward
+# too (d H' = d H, d u = sum_s post_s d H_s, d post_s = d H_s . u). mHC-lite's projection of the streams
+# is H' W + sum_s post_s (u W_s), two GEMMs combined in the kernel; its backward kernel writes the
+# streams it formed for the GEMM of W's gradient, and the update's backward (_advance_bwd) follows the
+# GEMM that completes d H. The readout's streams, after the last sublayer, are formed by advance.
+# Kinds: HC (dynamic), HC static, mHC-lite.
 HC, HC_STATIC, MHC = 0, 1, 2
 STREAM_BC = 256  # columns per pass: the (n + 1, n, BC) products stay small in registers
 # elements of a program's largest block: (tokens, n + 1, n, BC), HC's projection (tokens, n, BC, n + 2)
@@ -1463,10 +1469,23 @@ if triton is not None:
         return HT, u
 
     @triton.jit
-    def _stream_mix_fwd(H, POST_IN, U_IN, W, XW, P0, P1, P2, P3, OUT_H, OUT_MIXED, OUT_POST, i, stride_t, stride_k, N,
-                        n, C, K, n_perm, eps, KIND: tl.constexpr, PROJECT: tl.constexpr, REPLAY: tl.constexpr,
-                        ADD: tl.constexpr, ACC: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr, NP1: tl.constexpr,
-                        KP: tl.constexpr, PP: tl.constexpr, BC: tl.constexpr):
+    def _combined_projection(XW, XW_IN, UW, post_in, t, tmask, k, kmask, n, K, ACC: tl.constexpr, KP: tl.constexpr):
+        """mHC-lite's XW = H W of the streams H = H' + post^T u (of the last sublayer) from its two GEMMs,
+        XW_IN = H' W and UW = u [W_1 | .. | W_n] (W_s: stream s's rows of W): XW_IN + sum_s post_s UW_s,
+        written to XW."""
+        q = tl.arange(0, KP)
+        tq = tmask[:, None] & (q < K)[None, :]
+        uw = tl.load(UW + t[:, None, None] * n * K + k[None, :, None] * K + q[None, None, :],
+                     mask=tq[:, None, :] & kmask[None, :, None], other=0.).to(ACC)
+        xw = tl.load(XW_IN + t[:, None] * K + q[None, :], mask=tq, other=0.).to(ACC)
+        tl.store(XW + t[:, None] * K + q[None, :], xw + tl.sum(post_in[:, :, None] * uw, axis=1), mask=tq)
+
+    @triton.jit
+    def _stream_mix_fwd(H, POST_IN, U_IN, UW, W, XW_IN, XW, P0, P1, P2, P3, OUT_H, OUT_MIXED, OUT_POST, i, stride_t,
+                        stride_k, N, n, C, K, n_perm, eps, KIND: tl.constexpr, PROJECT: tl.constexpr,
+                        COMBINE: tl.constexpr, REPLAY: tl.constexpr, ADD: tl.constexpr, ACC: tl.constexpr,
+                        BT: tl.constexpr, NP: tl.constexpr, NP1: tl.constexpr, KP: tl.constexpr, PP: tl.constexpr,
+                        BC: tl.constexpr):
         t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)  # a tile of BT tokens
         P0, P1, P2, P3 = _sublayer_params(P0, P1, P2, P3, i, n, K, KIND)  # sublayer i's: rows of (L, ...)
         if PROJECT:
@@ -1489,6 +1508,9 @@ if triton is not None:
         if PROJECT:  # written, then read back by _stream_connect (after a barrier: other threads wrote it)
             tl.store(XW + t[:, None, None] * n * K + k[None, :, None] * K + q[None, None, :], xw,
                      mask=tk & (q < K)[None, None, :])
+            tl.debug_barrier()
+        if COMBINE:  # likewise
+            _combined_projection(XW, XW_IN, UW, post_in, t, tmask, k, kmask, n, K, ACC, KP)
             tl.debug_barrier()
         r = _stream_rms(ss, n, C, eps, KIND)
         AT, post, X1, X2, X3, X4, X5, X6 = _stream_connect(XW, P0, P1, P2, P3, t, tmask, r, n, K, n_perm, KIND, ACC,
@@ -1574,14 +1596,15 @@ if triton is not None:
         return r[:, None, :] * dPT, r * dpb, corr, d_a
 
     @triton.jit
-    def _streams_grad(H, U_IN, post_in, W, G_H, G_MIXED, D_H, D_U, part_w, AT, corr, d_xa, d_xb, later, streams, t,
-                      tmask, k, j, c, jmask, tk3, tj, t0, n, C, K, KIND: tl.constexpr, ADD: tl.constexpr,
+    def _streams_grad(H, U_IN, post_in, W, G_H, G_MIXED, D_H, D_U, OUT_H, part_w, AT, corr, d_xa, d_xb, later,
+                      streams, t, tmask, k, j, c, jmask, tk3, tj, t0, n, C, K, KIND: tl.constexpr, ADD: tl.constexpr,
                       ACC: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr, BC: tl.constexpr):
         """A second pass over the columns for the tokens t: d H_s = sum_j A^T[j, s] G_j - corr_s H_s written
         (+ HC: d XW_s W^T, and W's gradient H^T d XW in this program's part of PART, at part_w: written by
         the program's first tile, added to by its `later` ones). With ADD, d H is also the last sublayer's
-        d H', and its update's backward is here: d u = sum_s post_s d H_s written, d post_s = d H_s . u
-        returned (BT, NP)."""
+        d H', and (HC) its update's backward is here: d u = sum_s post_s d H_s written, d post_s = d H_s . u
+        returned (BT, NP); mHC-lite's d H lacks its GEMM's share, which the update's backward needs: it
+        writes the streams it formed for that GEMM and its projection's gradient instead (OUT_H)."""
         d_post_in = tl.zeros((BT, NP), ACC)
         for c0 in range(0, C, BC):
             cols = c0 + c
@@ -1604,7 +1627,10 @@ if triton is not None:
                 tl.store(part_w + cols * K + n + 1, g_b, mask=cols < C)
             tl.store(D_H + t[:, None, None] * n * C + k[None, :, None] * C + cols[None, None, :],
                      dH.to(D_H.dtype.element_ty), mask=tk3 & cmask)
-            if ADD:
+            if ADD and KIND == 2:
+                tl.store(OUT_H + t[:, None, None] * n * C + k[None, :, None] * C + cols[None, None, :],
+                         HT.to(OUT_H.dtype.element_ty), mask=tk3 & cmask)
+            elif ADD:
                 tl.store(D_U + t[:, None] * C + cols[None, :], tl.sum(post_in[:, :, None] * dH, axis=1).to(
                     D_U.dtype.element_ty), mask=tmask[:, None] & (cols < C)[None, :])
                 d_post_in += tl.sum(dH * u[:, None, :], axis=2)
@@ -1627,8 +1653,8 @@ if triton is not None:
                 tl.store(part + n * (n + 1) + n + e, d_a, mask=e < 2)
 
     @triton.jit
-    def _stream_mix_bwd(H, POST_IN, U_IN, W, XW, P0, P1, P2, P3, G_H, G_MIXED, G_POST, D_H, D_U, D_POST_IN, D_XW,
-                        PART, i, stride_t, stride_k, N, n, C, K, n_perm, n_part, eps, KIND: tl.constexpr,
+    def _stream_mix_bwd(H, POST_IN, U_IN, W, XW, P0, P1, P2, P3, G_H, G_MIXED, G_POST, D_H, D_U, D_POST_IN, OUT_H,
+                        D_XW, PART, i, stride_t, stride_k, N, n, C, K, n_perm, n_part, eps, KIND: tl.constexpr,
                         ADD: tl.constexpr, ACC: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr, NP1: tl.constexpr,
                         PP: tl.constexpr, BC: tl.constexpr):
         # per tile of tokens: d A^T and the RMS in a pass over the columns, the connections again, their
@@ -1683,10 +1709,10 @@ if triton is not None:
                     d_xa, d_xb, corr, a_t = _hc_connections_bwd(P2, P3, e, r, g_AT, g_post, X1, X2, X3, X4, C, ACC)
                     d_a += a_t
             later = tile > pid  # the program's first tile writes its part of W's gradient, later ones add to it
-            d_post_in = _streams_grad(H, U_IN, post_in, W, G_H, G_MIXED, D_H, D_U, part_w, AT, corr, d_xa, d_xb, later,
-                                      streams, t, tmask, k, j, c, jmask, tk3, tj, t0, n, C, K, KIND, ADD, ACC, BT, NP,
-                                      BC)
-            if ADD:
+            d_post_in = _streams_grad(H, U_IN, post_in, W, G_H, G_MIXED, D_H, D_U, OUT_H, part_w, AT, corr, d_xa,
+                                      d_xb, later, streams, t, tmask, k, j, c, jmask, tk3, tj, t0, n, C, K, KIND, ADD,
+                                      ACC, BT, NP, BC)
+            if ADD and KIND != 2:
                 tl.store(D_POST_IN + t[:, None] * n + k[None, :], d_post_in.to(D_POST_IN.dtype.element_ty), mask=tk)
         _stream_parts_store(PART + pid * n_part, d_AT, d_post, d_pre, d_z, d_a, k, j, p, e, kmask, pmask, m2, n, KIND)
 
@@ -1738,11 +1764,12 @@ def _last_update(post_in, u_in):
 
 @torch.library.custom_op('resroute::stream_mix', mutates_args=())
 def _triton_stream_mix(H: Tensor, post_in: Optional[Tensor], u_in: Optional[Tensor], XW: Optional[Tensor],
-                       W: Optional[Tensor], params: List[Tensor], i: int, kind: int,
+                       UW: Optional[Tensor], W: Optional[Tensor], params: List[Tensor], i: int, kind: int,
                        replay: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """h (B, T, C), H' (B, T, n, C), post (B, T, n, 1) of sublayer i's HC or mHC-lite step (the replay:
-    no h, a tensor of no elements), and XW (B, T, n, n + 2), which the kernel projects when given HC's W (else a tensor of no
-    elements). params (and HC's W): the stacked parameters (L, ...). The streams: H, or given the last
+    no h, a tensor of no elements), and XW: HC's (B, T, n, n + 2), which the kernel projects when given
+    W, or mHC-lite's (N, K) combined from H' W (XW) and UW (see _combined_projection), else a tensor of
+    no elements. params (and HC's W): the stacked parameters (L, ...). The streams: H, or given the last
     sublayer's post_in (B, T, n, 1) and update u_in (B, T, C), H' + post_in^T u_in with H the last H'."""
     acc, acc_tl = accumulator(H.dtype)
     H3, XW, W, P, (n, C, K, n_perm), blocks = _stream_args(H, XW, W, params, kind)
@@ -1750,20 +1777,27 @@ def _triton_stream_mix(H: Tensor, post_in: Optional[Tensor], u_in: Optional[Tens
     h = H.new_empty((0,) if replay else H.shape[:-2] + (C,))
     mixed = H.new_empty(H.shape)
     post = torch.empty(H.shape[:-1] + (1,), device=H.device, dtype=acc)  # a column: advance adds post u as is
-    projected = torch.empty(H.shape[:-1] + (K,) if W is not None else (0,), device=H.device, dtype=acc)
-    _stream_mix_fwd[(triton.cdiv(N, blocks['BT']),)](H3, *_last_update(post_in, u_in), W,
-                                                     projected if W is not None else XW, *P, h, mixed, post,
+    projected = torch.empty(_projected_shape(H, XW, UW, W), device=H.device, dtype=acc)
+    _stream_mix_fwd[(triton.cdiv(N, blocks['BT']),)](H3, *_last_update(post_in, u_in), UW, W, XW,
+                                                     projected if projected.numel() else XW, *P, h, mixed, post,
                                                      i, H3.stride(0), H3.stride(1), N, n, C, K, n_perm, RMS_EPS,
-                                                     KIND=kind, PROJECT=W is not None, REPLAY=replay,
-                                                     ADD=post_in is not None, ACC=acc_tl, KP=next_pow2(K), **blocks)
+                                                     KIND=kind, PROJECT=W is not None, COMBINE=UW is not None,
+                                                     REPLAY=replay, ADD=post_in is not None, ACC=acc_tl,
+                                                     KP=next_pow2(K), **blocks)
     return h, mixed, post, projected
 
 
+def _projected_shape(H, XW, UW, W):
+    """The shape of the XW the forward kernel writes: HC's (..., n, K) given W, mHC-lite's combined
+    (N, K) given UW, else none."""
+    return H.shape[:-1] + (W.shape[-1],) if W is not None else XW.shape if UW is not None else (0,)
+
+
 @_triton_stream_mix.register_fake
-def _(H, post_in, u_in, XW, W, params, i, kind, replay):
-    acc, (C, K) = accumulator(H.dtype)[0], (H.shape[-1], W.shape[-1] if W is not None else 0)
+def _(H, post_in, u_in, XW, UW, W, params, i, kind, replay):
+    acc, C = accumulator(H.dtype)[0], H.shape[-1]
     return (H.new_empty((0,) if replay else H.shape[:-2] + (C,)), H.new_empty(H.shape),
-            H.new_empty(H.shape[:-1] + (1,), dtype=acc), H.new_empty(H.shape[:-1] + (K,) if W is not None else (0,), dtype=acc))
+            H.new_empty(H.shape[:-1] + (1,), dtype=acc), H.new_empty(_projected_shape(H, XW, UW, W), dtype=acc))
 
 
 @torch.library.custom_op('resroute::stream_mix_backward', mutates_args=())
@@ -1773,22 +1807,22 @@ def _triton_stream_mix_backward(H: Tensor, post_in: Optional[Tensor], u_in: Opti
     """d H (HC: whole; mHC-lite: without the projection's GEMM), [d XW] (mHC-lite; else []), each
     program's partial sums of the parameters' gradients ([width | depth | s_a, s_b | W (C, n + 2)] or
     [alpha | bias]), to be summed over programs, and given post_in and u_in (the streams formed as in
-    the forward; d H is then d H' of the last sublayer) [d u_in, d post_in], else []."""
+    the forward; d H is then d H' of the last sublayer) HC's [d u_in, d post_in] or mHC-lite's [the
+    streams formed], else []."""
     acc, acc_tl = accumulator(H.dtype)
     H3, XW, W, P, (n, C, K, n_perm), blocks = _stream_args(H, XW, W, params, kind)
     N = H3.shape[0]
     d_H = torch.empty(H.shape, device=H.device, dtype=H.dtype)
     d_XW = torch.empty(XW.shape, device=H.device, dtype=acc) if kind == MHC else None
-    d_last = [] if post_in is None else [torch.empty(u_in.shape, device=H.device, dtype=u_in.dtype),
-                                         torch.empty(post_in.shape, device=H.device, dtype=post_in.dtype)]
+    d_u, d_post, formed = _last_outputs(H, post_in, u_in, kind)
     n_part = 3 + 2 * n + n_perm if kind == MHC else n * (n + 1) + n + (2 + C * K if kind == HC else 0)
     programs = reduction_programs(triton.cdiv(N, blocks['BT']))
     parts = torch.empty((programs, n_part), device=H.device, dtype=acc)
     _stream_mix_bwd[(programs,)](H3, *_last_update(post_in, u_in), W, XW, *P, grad_h.contiguous(),
-                                 grad_mixed.contiguous(), grad_post.contiguous(), d_H, *(d_last or [None, None]), d_XW,
+                                 grad_mixed.contiguous(), grad_post.contiguous(), d_H, d_u, d_post, formed, d_XW,
                                  parts, i, H3.stride(0), H3.stride(1), N, n, C, K, n_perm, n_part, RMS_EPS,
                                  KIND=kind, ADD=post_in is not None, ACC=acc_tl, **blocks)
-    return d_H, [] if d_XW is None else [d_XW], parts, d_last
+    return d_H, [] if d_XW is None else [d_XW], parts, [t for t in (d_u, d_post, formed) if t is not None]
 
 
 @_triton_stream_mix_backward.register_fake
@@ -1799,7 +1833,18 @@ def _(H, post_in, u_in, XW, W, params, i, kind, grad_h, grad_mixed, grad_post):
     programs = reduction_programs(-(-N // stream_tile(n, C, n_perm, N)))
     return (H.new_empty(H.shape), [XW.new_empty(XW.shape, dtype=acc)] if kind == MHC else [],
             H.new_empty((programs, n_part), dtype=acc),
-            [] if post_in is None else [u_in.new_empty(u_in.shape), post_in.new_empty(post_in.shape)])
+            [t for t in _last_outputs(H, post_in, u_in, kind) if t is not None])
+
+
+def _last_outputs(H, post_in, u_in, kind):
+    """The stream backward's outputs for the last sublayer's update (see _triton_stream_mix_backward):
+    d u_in, d post_in and the streams formed, or None."""
+    if post_in is None:
+        return None, None, None
+    if kind == MHC:
+        return None, None, torch.empty(H.shape, device=H.device, dtype=H.dtype)
+    return (torch.empty(u_in.shape, device=H.device, dtype=u_in.dtype),
+            torch.empty(post_in.shape, device=H.device, dtype=post_in.dtype), None)
 
 
 @torch.library.custom_op('resroute::advance_backward', mutates_args=())
@@ -1828,10 +1873,18 @@ class StreamGrads:
     (autograd.grad with inputs inside the model) leaves its rows behind."""
 
     def __init__(self, kind, params, W):
-        self.kind, self.params, self.W, self.rows, self.W_t = kind, params, W, {}, None
+        self.kind, self.params, self.W, self.rows, self.W_t, self.W_s = kind, params, W, {}, None, None
 
     def add(self, i, parts):
         self.rows[i] = (parts.sum(0),)
+
+    def by_stream(self, i):
+        """[W_1 | .. | W_n] (C, n K) of mHC-lite's sublayer i, W_s its rows of stream s (the stack
+        rearranged once per forward, not once per sublayer): u [W_1 | .. | W_n] projects an update u."""
+        if self.W_s is None:
+            (L, nC, K), n = self.W.shape, self.params[2].shape[1]
+            self.W_s = self.W.detach().view(L, n, nC // n, K).transpose(1, 2).reshape(L, nC // n, n * K)
+        return self.W_s[i]
 
     def transposed(self, i):
         """W_i^T of mHC-lite's sublayer i (the stack transposed once per backward, not once per sublayer)."""
@@ -1841,7 +1894,7 @@ class StreamGrads:
 
     def take(self):
         """The gradients of the parameters (and of HC's W): [width | depth | s_a, s_b | W] or [alpha | bias]."""
-        rows, self.rows, self.W_t, L = self.rows, {}, None, self.params[0].shape[0]
+        rows, self.rows, self.W_t, self.W_s, L = self.rows, {}, None, None, self.params[0].shape[0]
         rows, = stack_rows(rows, L)
         params = [p for p in self.params + ([self.W] if self.kind == HC else []) if p.is_floating_point()]
         grads = rows.split([p.numel() // L for p in params], dim=1)  # (mHC-lite's permutations: none)
@@ -1851,20 +1904,25 @@ class StreamGrads:
 
 class TritonStreamMix(torch.autograd.Function):
     """StreamMix with the Triton kernels: (h, H', post) of sublayer i from the streams (H, post_in,
-    u_in) (H itself, or the last sublayer's H' + post_in^T u_in: see streams), the projection W (HC:
-    the stacked (L, C, n + 2), or None (static); mHC-lite: sublayer i's) and the stacked connection
-    parameters, saving XW (a few numbers per token) and no streams; the backward rebuilds the streams
-    from the segment. HC's projection is the kernels' (forward and backward); mHC-lite's is two GEMMs
-    beside them. The parameters' gradients gather in a StreamGrads."""
+    u_in) (H itself, or the last sublayer's H' + post_in^T u_in: see triton_stream_plan), the
+    projection W (HC: the stacked (L, C, n + 2), or None (static); mHC-lite: sublayer i's) and the
+    stacked connection parameters, saving XW (a few numbers per token) and no streams; the backward
+    rebuilds the streams from the segment, and gives the last sublayer's H', post and u their
+    gradients. HC's projection is the kernels' (forward and backward); mHC-lite's is GEMMs beside
+    them. The parameters' gradients gather in a StreamGrads."""
 
     @staticmethod
     def forward(ctx, H, post_in, u_in, W, segment, grads, *params):
         i, kind = segment.start + len(segment.connections), grads.kind
-        if kind == MHC:  # mHC-lite's projection by cuBLAS: XW (N, K) of the rows (N, n C)
-            XW = torch.mm(H.reshape(-1, W.shape[0]), W)
-            h, mixed, post, _ = _triton_stream_mix(H, None, None, XW, None, list(params), i, kind, False)
+        if kind == MHC:  # mHC-lite's projection by cuBLAS: XW (N, K) of the rows (N, n C), of H' + post^T u as
+            # H' W and u W_s; H' W at the streams' precision (under autocast, a half-precision copy of H' moved more)
+            with torch.autocast(H.device.type, enabled=False):
+                XW = torch.mm(H.reshape(-1, W.shape[0]), W.to(H.dtype))
+            UW = None if u_in is None else torch.mm(u_in.reshape(-1, u_in.shape[-1]), grads.by_stream(i))
+            h, mixed, post, combined = _triton_stream_mix(H, post_in, u_in, XW, UW, None, list(params), i, kind, False)
+            XW = XW if UW is None else combined
         else:  # HC's by the kernel (static HC: none)
-            h, mixed, post, XW = _triton_stream_mix(H, post_in, u_in, None, W, list(params), i, kind, False)
+            h, mixed, post, XW = _triton_stream_mix(H, post_in, u_in, None, None, W, list(params), i, kind, False)
             XW = None if W is None else XW
         segment.connections.append((XW, i))  # the replay's kernel computes post again from XW
         start = (H, post_in, u_in) if i == segment.start else (None,) * 3
@@ -1882,12 +1940,13 @@ class TritonStreamMix(torch.autograd.Function):
         d_H, d_XW, parts, d_last = _triton_stream_mix_backward(H, post_in, u_in, XW, W if kind == HC else None, params,
                                                                ctx.i, kind, grad_h, grad_mixed, grad_post)
         ctx.grads.add(ctx.i, parts)
-        d_u, d_post = d_last or (None, None)
-        grad_W = None
-        if kind == MHC:  # XW = rows W: rows get d_XW W^T, W gets rows^T d_XW
-            rows, d_XW = H.reshape(-1, W.shape[0]), d_XW[0]  # (e's n copies: a dense copy)
+        d_u, d_post, grad_W = *(d_last if kind != MHC and d_last else (None, None)), None
+        if kind == MHC:  # XW = rows W: rows get d_XW W^T, W gets rows^T d_XW (rows: the streams as the kernel formed them)
+            rows, d_XW = (d_last[0] if d_last else H).reshape(-1, W.shape[0]), d_XW[0]  # (e's n copies: a dense copy)
             d_H.view(rows.shape).addmm_(d_XW.to(d_H.dtype), ctx.grads.transposed(ctx.i).to(d_H.dtype))
             grad_W = (rows.t() @ d_XW.to(rows.dtype)).to(W.dtype)
+            if d_last:  # the update's backward, from the whole d H
+                d_u, d_post = _triton_advance_backward(d_H, u_in, post_in)
         if ctx.i > 0:
             return d_H, d_post, d_u, grad_W, None, None, *[None] * len(params)
         grads = ctx.grads.take()
