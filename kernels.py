@@ -1803,18 +1803,19 @@ def _(H, post_in, u_in, XW, UW, W, params, i, kind, replay):
 @torch.library.custom_op('resroute::stream_mix_backward', mutates_args=())
 def _triton_stream_mix_backward(H: Tensor, post_in: Optional[Tensor], u_in: Optional[Tensor], XW: Optional[Tensor],
                                 W: Optional[Tensor], params: List[Tensor], i: int, kind: int, grad_h: Tensor,
-                                grad_mixed: Tensor, grad_post: Tensor) -> Tuple[Tensor, List[Tensor], Tensor, List[Tensor]]:
+                                grad_mixed: Tensor, grad_post: Tensor,
+                                low: Optional[torch.dtype]) -> Tuple[Tensor, List[Tensor], Tensor, List[Tensor]]:
     """d H (HC: whole; mHC-lite: without the projection's GEMM), [d XW] (mHC-lite; else []), each
     program's partial sums of the parameters' gradients ([width | depth | s_a, s_b | W (C, n + 2)] or
     [alpha | bias]), to be summed over programs, and given post_in and u_in (the streams formed as in
     the forward; d H is then d H' of the last sublayer) HC's [d u_in, d post_in] or mHC-lite's [the
-    streams formed], else []."""
+    streams formed, in `low` (autocast's dtype) where given], else []."""
     acc, acc_tl = accumulator(H.dtype)
     H3, XW, W, P, (n, C, K, n_perm), blocks = _stream_args(H, XW, W, params, kind)
     N = H3.shape[0]
     d_H = torch.empty(H.shape, device=H.device, dtype=H.dtype)
     d_XW = torch.empty(XW.shape, device=H.device, dtype=acc) if kind == MHC else None
-    d_u, d_post, formed = _last_outputs(H, post_in, u_in, kind)
+    d_u, d_post, formed = _last_outputs(H, post_in, u_in, kind, low)
     n_part = 3 + 2 * n + n_perm if kind == MHC else n * (n + 1) + n + (2 + C * K if kind == HC else 0)
     programs = reduction_programs(triton.cdiv(N, blocks['BT']))
     parts = torch.empty((programs, n_part), device=H.device, dtype=acc)
@@ -1826,23 +1827,23 @@ def _triton_stream_mix_backward(H: Tensor, post_in: Optional[Tensor], u_in: Opti
 
 
 @_triton_stream_mix_backward.register_fake
-def _(H, post_in, u_in, XW, W, params, i, kind, grad_h, grad_mixed, grad_post):
+def _(H, post_in, u_in, XW, W, params, i, kind, grad_h, grad_mixed, grad_post, low):
     acc, (n, C), N = accumulator(H.dtype)[0], H.shape[-2:], H.numel() // (H.shape[-2] * H.shape[-1])
     K, n_perm = W.shape[-1] if W is not None else 0 if XW is None else XW.shape[-1], params[2].shape[0] if kind == MHC else 1
     n_part = 3 + 2 * n + n_perm if kind == MHC else n * (n + 1) + n + (2 + C * K if kind == HC else 0)
     programs = reduction_programs(-(-N // stream_tile(n, C, n_perm, N)))
     return (H.new_empty(H.shape), [XW.new_empty(XW.shape, dtype=acc)] if kind == MHC else [],
             H.new_empty((programs, n_part), dtype=acc),
-            [t for t in _last_outputs(H, post_in, u_in, kind) if t is not None])
+            [t for t in _last_outputs(H, post_in, u_in, kind, low) if t is not None])
 
 
-def _last_outputs(H, post_in, u_in, kind):
+def _last_outputs(H, post_in, u_in, kind, low):
     """The stream backward's outputs for the last sublayer's update (see _triton_stream_mix_backward):
     d u_in, d post_in and the streams formed, or None."""
     if post_in is None:
         return None, None, None
     if kind == MHC:
-        return None, None, torch.empty(H.shape, device=H.device, dtype=H.dtype)
+        return None, None, torch.empty(H.shape, device=H.device, dtype=low or H.dtype)
     return (torch.empty(u_in.shape, device=H.device, dtype=u_in.dtype),
             torch.empty(post_in.shape, device=H.device, dtype=post_in.dtype), None)
 
@@ -1937,8 +1938,10 @@ class TritonStreamMix(torch.autograd.Function):
     def backward(ctx, grad_h, grad_mixed, grad_post):
         _, _, _, W, XW, *params = ctx.saved_tensors
         (H, post_in, u_in), kind = ctx.segment.streams_at(ctx.i, ctx.autocast), ctx.grads.kind
+        # mHC-lite's streams for W's gradient in autocast's dtype (float32 streams): its product at the precision of autocast's
+        low = ctx.autocast['dtype'] if ctx.autocast['enabled'] and H.dtype == torch.float32 else None
         d_H, d_XW, parts, d_last = _triton_stream_mix_backward(H, post_in, u_in, XW, W if kind == HC else None, params,
-                                                               ctx.i, kind, grad_h, grad_mixed, grad_post)
+                                                               ctx.i, kind, grad_h, grad_mixed, grad_post, low)
         ctx.grads.add(ctx.i, parts)
         d_u, d_post, grad_W = *(d_last if kind != MHC and d_last else (None, None)), None
         if kind == MHC:  # XW = rows W: rows get d_XW W^T, W gets rows^T d_XW (rows: the streams as the kernel formed them)
