@@ -1884,7 +1884,7 @@ class StreamGrads:
         rearranged once per forward, not once per sublayer): u [W_1 | .. | W_n] projects an update u."""
         if self.W_s is None:
             (L, nC, K), n = self.W.shape, self.params[2].shape[1]
-            self.W_s = self.W.detach().view(L, n, nC // n, K).transpose(1, 2).reshape(L, nC // n, n * K)
+            self.W_s = self.W.detach().view(L, n, nC // n, K).transpose(1, 2).reshape(L, nC // n, n * K).unbind()
         return self.W_s[i]
 
     def transposed(self, i):
