@@ -49,6 +49,10 @@ custom ops that launch them.
    copies or per-sublayer parameter rows. With Triton, a sublayer's step (the streams' RMS, HC's
    projection XW, the connections from it, the mixing) is one kernel forward and one backward
    (mHC-lite's projection: GEMMs beside them); the replay reuses the forward kernel on the saved XW.
+   Between two sublayers the kernels carry the streams as the last H', post and f(h), and each step's
+   kernels form H' + post^T f(h) as they read them: the streams' update is no pass of its own, forward,
+   replay or backward (its backward is in the next step's backward kernel; mHC-lite's, whose GEMMs
+   need the whole gradient, a kernel after them).
 
 4. MGR step: the gates, the streams' convex update and the next sublayer's AttnPool in one pass over
    the streams. Its backward can rebuild the input streams from the output streams by inverting the
@@ -1017,17 +1021,20 @@ class StreamSegment:
     it, what each sublayer's step saved (a few numbers per token, from which it computes its
     connections A and post again: HC's T, mHC-lite's H_res, post and 1/RMS, or for the kernels XW)
     and each update f(h). Every stream state inside it is rebuilt from these by the forward's own
-    ops: H_{j+1} = A_j^T H_j (rows 1..n) + post_j f_j."""
+    ops: H_{j+1} = A_j^T H_j (rows 1..n) + post_j f_j. The streams as the step takes them: H (the
+    PyTorch twin), or the kernels' (H, post, u) (see streams)."""
 
     def __init__(self, start, streams, step):
-        self.start, self.streams, self.step = start, streams.detach(), step  # step(H, connection, update) -> next H
+        detach = lambda t: None if t is None else t.detach()
+        self.streams = detach(streams) if isinstance(streams, Tensor) else tuple(map(detach, streams))
+        self.start, self.step = start, step  # step(streams, connection, update) -> the next streams
         self.connections, self.updates, self.rebuilt = [], [], {}
 
     def streams_at(self, i, autocast):
         """The streams entering sublayer i. The first call rebuilds the segment up to i once; each
         later call (the backward goes down the sublayers) takes its own."""
         if i not in self.rebuilt:
-            H = self.streams.contiguous()
+            H = self.streams.contiguous() if isinstance(self.streams, Tensor) else self.streams
             with torch.no_grad(), torch.autocast(**autocast):  # the forward's precision
                 for j in range(self.start, i + 1):
                     self.rebuilt[j] = H
@@ -1271,36 +1278,53 @@ class Advance(torch.autograd.Function):
 def streams(coefficients, module, x, sublayers, backend):
     """HC and mHC-lite with the streams rebuilt in the backward instead of saved: the sublayers are
     cut into segments of about sqrt(L); a segment keeps its input streams, what each step saved for
-    the replay (a few numbers per token) and the updates (which the update's product with post saves
-    anyway), and the backward rebuilds each segment's streams once. `coefficients` names the class's
-    module of connections. Compiled, compiled_streams runs instead (the compiler plans its own memory)."""
+    the replay (a few numbers per token) and the updates (which the update's backward needs anyway),
+    and the backward rebuilds each segment's streams once. `coefficients` names the class's module of
+    connections. Compiled, compiled_streams runs instead (the compiler plans its own memory)."""
     connections = getattr(module, coefficients)
     H = x.unsqueeze(-2).expand(*x.shape[:-1], module.n, x.shape[-1])  # e copied into n streams, as residuals.copies
     if torch.compiler.is_compiling():
         return compiled_streams(module, connections, H, sublayers)
     length = max(1, round(math.sqrt(len(sublayers))))
-    if backend == 'triton':  # the kernels read sublayer i's rows of the stacked parameters (and of HC's W)
-        kind, params = triton_stream_params(connections)
-        grads = StreamGrads(kind, params, getattr(connections, 'proj', None))
-        # mHC-lite's projections one per sublayer: one backward node gathers their gradients
-        projections = connections.proj.unbind() if kind == MHC else [grads.W] * len(sublayers)
-        mix = lambda H, i, segment: TritonStreamMix.apply(H, projections[i], segment, grads, *params)
-        post_again = lambda saved, i: None
-        step = lambda H, c, u: advance(*_triton_stream_mix(H, c[0], None, params, c[1], kind, True)[1:3], u)
-    else:
-        torch_step = MHCStep(connections) if coefficients == 'coefficients' else HCStep(connections)
-        mix = lambda H, i, segment: TorchStreamMix.apply(H, segment, torch_step, *torch_step.params)
-        step = lambda H, c, u: advance(*torch_step(flat_streams(H), c[1], c[0])[1:3],
-                                       u.view(-1, u.shape[-1])).view(H.shape)
-        post_again = torch_step.post_again
+    plan = triton_stream_plan if backend == 'triton' else torch_stream_plan
+    state, mix, join, step, last = plan(coefficients, connections, H, len(sublayers))
     for i, f in enumerate(sublayers):
         if i % length == 0:
-            segment = StreamSegment(i, H, step)
-        h, mixed, post = mix(H, i, segment)
+            segment = StreamSegment(i, state, step)
+        h, mixed, post = mix(state, i, segment)
         update = f(h)
         segment.updates.append(update.detach())
-        H = Advance.apply(mixed, post, update, backend, post_again(*segment.connections[-1]))
-    return module.readout(H)
+        state = join(mixed, post, update, segment)
+    return module.readout(last(state))
+
+
+def torch_stream_plan(coefficients, connections, H, L):
+    """The PyTorch twin's streams H, its step (mix), the update (join, by Advance), the replay's
+    step and the last streams (last)."""
+    torch_step = MHCStep(connections) if coefficients == 'coefficients' else HCStep(connections)
+    mix = lambda H, i, segment: TorchStreamMix.apply(H, segment, torch_step, *torch_step.params)
+    join = lambda mixed, post, u, segment: Advance.apply(mixed, post, u, 'torch',
+                                                        torch_step.post_again(*segment.connections[-1]))
+    step = lambda H, c, u: advance(*torch_step(flat_streams(H), c[1], c[0])[1:3],
+                                   u.view(-1, u.shape[-1])).view(H.shape)
+    return H, mix, join, step, lambda H: H
+
+
+def triton_stream_plan(coefficients, connections, H, L):
+    """As torch_stream_plan with the kernels, which carry the streams as (H, post, u): the last
+    sublayer's H' and post and its update f(h), from which each step's kernels (forward, replay and
+    backward) form the streams H' + post^T u as they read them, so that the n streams are never
+    written between two sublayers; only the readout's streams are formed outside, by Advance. The
+    first sublayer's: (e's n copies, a stride-0 stream dimension, None, None)."""
+    kind, params = triton_stream_params(connections)
+    grads = StreamGrads(kind, params, getattr(connections, 'proj', None))
+    # mHC-lite's projections one per sublayer: one backward node gathers their gradients
+    projections = connections.proj.unbind() if kind == MHC else [grads.W] * L
+    mix = lambda state, i, segment: TritonStreamMix.apply(*state, projections[i], segment, grads, *params)
+    join = lambda mixed, post, u, segment: (mixed, post, u)
+    step = lambda state, c, u: (*_triton_stream_mix(*state, c[0], None, None, params, c[1], kind, True)[1:3], u)
+    last = lambda state: state[0] if state[1] is None else Advance.apply(*state, 'triton')
+    return (H, None, None), mix, join, step, last
 
 
 def compiled_streams(module, connections, H, sublayers):
@@ -1325,9 +1349,15 @@ def compiled_streams(module, connections, H, sublayers):
 # the connections from it, the mixing A^T H and the outputs h, H', post. One kernel backward, on the
 # rebuilt streams: the mixing's, the connections' and (HC) the projection's gradients, and each program's
 # partial sums of the parameters' gradients (no atomics; HC's W among them: C (n + 2) numbers a program,
-# where mHC-lite's n C (2n + n!) would be 16x as many: its two GEMMs stay outside). The streams are
-# rebuilt by the same forward kernel from the saved XW (a few numbers per token), and H <- H' + post^T f(h)
-# has a one-kernel backward. Kinds: HC (dynamic), HC static, mHC-lite.
+# where mHC-lite's n C (2n + n!) would be 16x as many: its GEMMs stay outside). The streams are rebuilt
+# by the same forward kernel from the saved XW (a few numbers per token). The update H <- H' + post^T f(h)
+# is never written: the next step's kernels take the last H', post and u = f(h) and form the streams as
+# they read them (ADD), forward, replay and backward, and HC's backward kernel does the update's backward
+# too (d H' = d H, d u = sum_s post_s d H_s, d post_s = d H_s . u). mHC-lite's projection of the streams
+# is H' W + sum_s post_s (u W_s), two GEMMs combined in the kernel; its backward kernel writes the
+# streams it formed for the GEMM of W's gradient, and the update's backward (_advance_bwd) follows the
+# GEMM that completes d H. The readout's streams, after the last sublayer, are formed by advance.
+# Kinds: HC (dynamic), HC static, mHC-lite.
 HC, HC_STATIC, MHC = 0, 1, 2
 STREAM_BC = 256  # columns per pass: the (n + 1, n, BC) products stay small in registers
 # elements of a program's largest block: (tokens, n + 1, n, BC), HC's projection (tokens, n, BC, n + 2)
@@ -1421,10 +1451,43 @@ if triton is not None:
             return 1 / tl.sqrt(ss / C + eps)
 
     @triton.jit
-    def _stream_mix_fwd(H, W, XW, P0, P1, P2, P3, OUT_H, OUT_MIXED, OUT_POST, i, stride_t, stride_k, N, n, C, K,
-                        n_perm, eps, KIND: tl.constexpr, PROJECT: tl.constexpr, REPLAY: tl.constexpr,
-                        ACC: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr, NP1: tl.constexpr, KP: tl.constexpr,
-                        PP: tl.constexpr, BC: tl.constexpr):
+    def _last_post(POST_IN, t, tk, n, ADD: tl.constexpr, ACC: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr):
+        """With ADD, the last sublayer's post at the tokens t (BT, NP) (else zeros, unused)."""
+        if ADD:
+            return tl.load(POST_IN + t[:, None] * n + tl.arange(0, NP)[None, :], mask=tk, other=0.).to(ACC)
+        else:
+            return tl.zeros((BT, NP), ACC)
+
+    @triton.jit
+    def _streams_tile(H, U_IN, post_in, streams, t, tmask, cols, tk3, cmask, C, ADD: tl.constexpr, ACC: tl.constexpr):
+        """The streams at the tokens t and columns cols (BT, NP, BC): H itself, or with ADD the last
+        sublayer's H' (at H) + post^T u, formed here and never written; and u (BT, BC) (ADD only)."""
+        HT = tl.load(H + streams + cols[None, None, :], mask=tk3 & cmask, other=0.).to(ACC)
+        u = tl.zeros((1, 1), ACC)
+        if ADD:
+            u = tl.load(U_IN + t[:, None] * C + cols[None, :], mask=tmask[:, None] & (cols < C)[None, :],
+                        other=0.).to(ACC)
+            HT += post_in[:, :, None] * u[:, None, :]
+        return HT, u
+
+    @triton.jit
+    def _combined_projection(XW, XW_IN, UW, post_in, t, tmask, k, kmask, n, K, ACC: tl.constexpr, KP: tl.constexpr):
+        """mHC-lite's XW = H W of the streams H = H' + post^T u (of the last sublayer) from its two GEMMs,
+        XW_IN = H' W and UW = u [W_1 | .. | W_n] (W_s: stream s's rows of W): XW_IN + sum_s post_s UW_s,
+        written to XW."""
+        q = tl.arange(0, KP)
+        tq = tmask[:, None] & (q < K)[None, :]
+        uw = tl.load(UW + t[:, None, None] * n * K + k[None, :, None] * K + q[None, None, :],
+                     mask=tq[:, None, :] & kmask[None, :, None], other=0.).to(ACC)
+        xw = tl.load(XW_IN + t[:, None] * K + q[None, :], mask=tq, other=0.).to(ACC)
+        tl.store(XW + t[:, None] * K + q[None, :], xw + tl.sum(post_in[:, :, None] * uw, axis=1), mask=tq)
+
+    @triton.jit
+    def _stream_mix_fwd(H, POST_IN, U_IN, UW, W, XW_IN, XW, P0, P1, P2, P3, OUT_H, OUT_MIXED, OUT_POST, i, stride_t,
+                        stride_k, N, n, C, K, n_perm, eps, KIND: tl.constexpr, PROJECT: tl.constexpr,
+                        COMBINE: tl.constexpr, REPLAY: tl.constexpr, ADD: tl.constexpr, ACC: tl.constexpr,
+                        BT: tl.constexpr, NP: tl.constexpr, NP1: tl.constexpr, KP: tl.constexpr, PP: tl.constexpr,
+                        BC: tl.constexpr):
         t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)  # a tile of BT tokens
         P0, P1, P2, P3 = _sublayer_params(P0, P1, P2, P3, i, n, K, KIND)  # sublayer i's: rows of (L, ...)
         if PROJECT:
@@ -1433,11 +1496,12 @@ if triton is not None:
         tmask, kmask = t < N, k < n
         streams = t[:, None, None] * stride_t + k[None, :, None] * stride_k  # (+ columns)
         tk = tmask[:, None, None] & kmask[None, :, None]
+        post_in = _last_post(POST_IN, t, tmask[:, None] & kmask[None, :], n, ADD, ACC, BT, NP)
         ss = tl.zeros((BT, NP), ACC)
         xw = tl.zeros((BT, NP, KP), ACC)
         for c0 in range(0, C, BC):  # the streams' sums of squares (and HC's XW), BC columns at a time
             cols = c0 + c
-            HT = tl.load(H + streams + cols[None, None, :], mask=tk & (cols < C)[None, None, :], other=0.).to(ACC)
+            HT, u = _streams_tile(H, U_IN, post_in, streams, t, tmask, cols, tk, (cols < C)[None, None, :], C, ADD, ACC)
             ss += tl.sum(HT * HT, axis=2)
             if PROJECT:
                 Wc = tl.load(W + cols[:, None] * K + q[None, :], mask=(cols < C)[:, None] & (q < K)[None, :],
@@ -1446,6 +1510,9 @@ if triton is not None:
         if PROJECT:  # written, then read back by _stream_connect (after a barrier: other threads wrote it)
             tl.store(XW + t[:, None, None] * n * K + k[None, :, None] * K + q[None, None, :], xw,
                      mask=tk & (q < K)[None, None, :])
+            tl.debug_barrier()
+        if COMBINE:  # likewise
+            _combined_projection(XW, XW_IN, UW, post_in, t, tmask, k, kmask, n, K, ACC, KP)
             tl.debug_barrier()
         r = _stream_rms(ss, n, C, eps, KIND)
         AT, post, X1, X2, X3, X4, X5, X6 = _stream_connect(XW, P0, P1, P2, P3, t, tmask, r, n, K, n_perm, KIND, ACC,
@@ -1456,7 +1523,7 @@ if triton is not None:
         for c0 in range(0, C, BC):  # A^T H: row 0 is h, rows 1..n are H'
             cols = c0 + c
             cmask = (cols < C)[None, None, :]
-            HT = tl.load(H + streams + cols[None, None, :], mask=tk & cmask, other=0.).to(ACC)
+            HT, u = _streams_tile(H, U_IN, post_in, streams, t, tmask, cols, tk, cmask, C, ADD, ACC)
             mixed = tl.sum(AT[:, :, :, None] * HT[:, None, :, :], axis=2)
             tl.store(OUT_MIXED + t[:, None, None] * n * C + (j[None, :, None] - 1) * C + cols[None, None, :],
                      mixed.to(out), mask=tj & cmask)
@@ -1476,8 +1543,8 @@ if triton is not None:
         return G
 
     @triton.jit
-    def _mixing_grams(H, G_H, G_MIXED, streams, t, j, c, tk3, tj, t0, n, C, ACC: tl.constexpr, BT: tl.constexpr,
-                      NP: tl.constexpr, NP1: tl.constexpr, BC: tl.constexpr):
+    def _mixing_grams(H, U_IN, post_in, G_H, G_MIXED, streams, t, tmask, j, c, tk3, tj, t0, n, C, ADD: tl.constexpr,
+                      ACC: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr, NP1: tl.constexpr, BC: tl.constexpr):
         """A pass over the columns for the tokens t: d loss / d A^T[j, s] = G_j . H_s (BT, NP1, NP), G_0 the
         gradient of h, G_j of H'_j, and the streams' sums of squares (BT, NP)."""
         g_AT = tl.zeros((BT, NP1, NP), ACC)
@@ -1485,7 +1552,7 @@ if triton is not None:
         for c0 in range(0, C, BC):
             cols = c0 + c
             cmask = (cols < C)[None, None, :]
-            HT = tl.load(H + streams + cols[None, None, :], mask=tk3 & cmask, other=0.).to(ACC)
+            HT, u = _streams_tile(H, U_IN, post_in, streams, t, tmask, cols, tk3, cmask, C, ADD, ACC)
             G = _mixing_grad(G_H, G_MIXED, t, j, cols, tj, t0, cmask, n, C, ACC)
             g_AT += tl.sum(G[:, :, None, :] * HT[:, None, :, :], axis=3)
             ss += tl.sum(HT * HT, axis=2)
@@ -1531,15 +1598,20 @@ if triton is not None:
         return r[:, None, :] * dPT, r * dpb, corr, d_a
 
     @triton.jit
-    def _streams_grad(H, W, G_H, G_MIXED, D_H, part_w, AT, corr, d_xa, d_xb, later, streams, t, k, j, c, jmask,
-                      tk3, tj, t0, n, C, K, KIND: tl.constexpr, ACC: tl.constexpr, BC: tl.constexpr):
+    def _streams_grad(H, U_IN, post_in, W, G_H, G_MIXED, D_H, D_U, OUT_H, part_w, AT, corr, d_xa, d_xb, later,
+                      streams, t, tmask, k, j, c, jmask, tk3, tj, t0, n, C, K, KIND: tl.constexpr, ADD: tl.constexpr,
+                      ACC: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr, BC: tl.constexpr):
         """A second pass over the columns for the tokens t: d H_s = sum_j A^T[j, s] G_j - corr_s H_s written
         (+ HC: d XW_s W^T, and W's gradient H^T d XW in this program's part of PART, at part_w: written by
-        the program's first tile, added to by its `later` ones)."""
+        the program's first tile, added to by its `later` ones). With ADD, d H is also the last sublayer's
+        d H', and (HC) its update's backward is here: d u = sum_s post_s d H_s written, d post_s = d H_s . u
+        returned (BT, NP); mHC-lite's d H lacks its GEMM's share, which the update's backward needs: it
+        writes the streams it formed for that GEMM and its projection's gradient instead (OUT_H)."""
+        d_post_in = tl.zeros((BT, NP), ACC)
         for c0 in range(0, C, BC):
             cols = c0 + c
             cmask = (cols < C)[None, None, :]
-            HT = tl.load(H + streams + cols[None, None, :], mask=tk3 & cmask, other=0.).to(ACC)
+            HT, u = _streams_tile(H, U_IN, post_in, streams, t, tmask, cols, tk3, cmask, C, ADD, ACC)
             G = _mixing_grad(G_H, G_MIXED, t, j, cols, tj, t0, cmask, n, C, ACC)
             dH = tl.sum(AT[:, :, :, None] * G[:, :, None, :], axis=1) - corr[:, :, None] * HT
             if KIND == 0:  # XW = H W per stream: H gets d XW W^T; W gets H^T d XW, in this program's part
@@ -1557,6 +1629,14 @@ if triton is not None:
                 tl.store(part_w + cols * K + n + 1, g_b, mask=cols < C)
             tl.store(D_H + t[:, None, None] * n * C + k[None, :, None] * C + cols[None, None, :],
                      dH.to(D_H.dtype.element_ty), mask=tk3 & cmask)
+            if ADD and KIND == 2:
+                tl.store(OUT_H + t[:, None, None] * n * C + k[None, :, None] * C + cols[None, None, :],
+                         HT.to(OUT_H.dtype.element_ty), mask=tk3 & cmask)
+            elif ADD:
+                tl.store(D_U + t[:, None] * C + cols[None, :], tl.sum(post_in[:, :, None] * dH, axis=1).to(
+                    D_U.dtype.element_ty), mask=tmask[:, None] & (cols < C)[None, :])
+                d_post_in += tl.sum(dH * u[:, None, :], axis=2)
+        return d_post_in
 
     @triton.jit
     def _stream_parts_store(part, d_AT, d_post, d_pre, d_z, d_a, k, j, p, e, kmask, pmask, m2, n,
@@ -1575,12 +1655,14 @@ if triton is not None:
                 tl.store(part + n * (n + 1) + n + e, d_a, mask=e < 2)
 
     @triton.jit
-    def _stream_mix_bwd(H, W, XW, P0, P1, P2, P3, G_H, G_MIXED, G_POST, D_H, D_XW, PART, i, stride_t, stride_k, N,
-                        n, C, K, n_perm, n_part, eps, KIND: tl.constexpr, ACC: tl.constexpr, BT: tl.constexpr,
-                        NP: tl.constexpr, NP1: tl.constexpr, PP: tl.constexpr, BC: tl.constexpr):
+    def _stream_mix_bwd(H, POST_IN, U_IN, W, XW, P0, P1, P2, P3, G_H, G_MIXED, G_POST, D_H, D_U, D_POST_IN, OUT_H,
+                        D_XW, PART, i, stride_t, stride_k, N, n, C, K, n_perm, n_part, eps, KIND: tl.constexpr,
+                        ADD: tl.constexpr, ACC: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr, NP1: tl.constexpr,
+                        PP: tl.constexpr, BC: tl.constexpr):
         # per tile of tokens: d A^T and the RMS in a pass over the columns, the connections again, their
-        # backward (mHC-lite's or HC's), and d H in a second pass; the parameters' gradients summed per program
-        # (the helpers are inlined: one kernel, one launch)
+        # backward (mHC-lite's or HC's), and d H in a second pass (with ADD, the last sublayer's update's
+        # backward with it); the parameters' gradients summed per program (the helpers are inlined: one
+        # kernel, one launch)
         pid, programs = tl.program_id(0), tl.num_programs(0)
         P0, P1, P2, P3 = _sublayer_params(P0, P1, P2, P3, i, n, K, KIND)  # as in the forward
         if KIND == 0:
@@ -1604,7 +1686,9 @@ if triton is not None:
             tj = tmask[:, None, None] & (j[None, :, None] >= 1) & jmask[None, :, None]
             t0 = tmask[:, None, None] & (j[None, :, None] == 0)
             g_post = tl.load(G_POST + t[:, None] * n + k[None, :], mask=tk, other=0.).to(ACC)
-            g_AT, ss = _mixing_grams(H, G_H, G_MIXED, streams, t, j, c, tk3, tj, t0, n, C, ACC, BT, NP, NP1, BC)
+            post_in = _last_post(POST_IN, t, tk, n, ADD, ACC, BT, NP)
+            g_AT, ss = _mixing_grams(H, U_IN, post_in, G_H, G_MIXED, streams, t, tmask, j, c, tk3, tj, t0, n, C, ADD,
+                                     ACC, BT, NP, NP1, BC)
             r = _stream_rms(ss, n, C, eps, KIND)
             AT, post, X1, X2, X3, X4, X5, X6 = _stream_connect(XW, P0, P1, P2, P3, t, tmask, r, n, K, n_perm, KIND,
                                                                ACC, BT, NP, NP1, PP)
@@ -1627,8 +1711,11 @@ if triton is not None:
                     d_xa, d_xb, corr, a_t = _hc_connections_bwd(P2, P3, e, r, g_AT, g_post, X1, X2, X3, X4, C, ACC)
                     d_a += a_t
             later = tile > pid  # the program's first tile writes its part of W's gradient, later ones add to it
-            _streams_grad(H, W, G_H, G_MIXED, D_H, part_w, AT, corr, d_xa, d_xb, later, streams, t, k, j, c, jmask,
-                          tk3, tj, t0, n, C, K, KIND, ACC, BC)
+            d_post_in = _streams_grad(H, U_IN, post_in, W, G_H, G_MIXED, D_H, D_U, OUT_H, part_w, AT, corr, d_xa,
+                                      d_xb, later, streams, t, tmask, k, j, c, jmask, tk3, tj, t0, n, C, K, KIND, ADD,
+                                      ACC, BT, NP, BC)
+            if ADD and KIND != 2:
+                tl.store(D_POST_IN + t[:, None] * n + k[None, :], d_post_in.to(D_POST_IN.dtype.element_ty), mask=tk)
         _stream_parts_store(PART + pid * n_part, d_AT, d_post, d_pre, d_z, d_a, k, j, p, e, kmask, pmask, m2, n, KIND)
 
     @triton.jit
@@ -1672,62 +1759,95 @@ def _stream_args(H, XW, W, params, kind):
     return H, (None if XW is None else XW.contiguous()), (None if W is None else W.contiguous()), P, (n, C, K, n_perm), blocks
 
 
+def _last_update(post_in, u_in):
+    """The last sublayer's post and update as the kernels read them (contiguous), or Nones."""
+    return (None, None) if post_in is None else (post_in.contiguous(), u_in.contiguous())
+
+
 @torch.library.custom_op('resroute::stream_mix', mutates_args=())
-def _triton_stream_mix(H: Tensor, XW: Optional[Tensor], W: Optional[Tensor], params: List[Tensor], i: int, kind: int,
+def _triton_stream_mix(H: Tensor, post_in: Optional[Tensor], u_in: Optional[Tensor], XW: Optional[Tensor],
+                       UW: Optional[Tensor], W: Optional[Tensor], params: List[Tensor], i: int, kind: int,
                        replay: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """h (B, T, C), H' (B, T, n, C), post (B, T, n, 1) of sublayer i's HC or mHC-lite step (the replay:
-    no h, a tensor of no elements), and XW (B, T, n, n + 2), which the kernel projects when given HC's W (else a tensor of no
-    elements). params (and HC's W): the stacked parameters (L, ...)."""
+    no h, a tensor of no elements), and XW: HC's (B, T, n, n + 2), which the kernel projects when given
+    W, or mHC-lite's (N, K) combined from H' W (XW) and UW (see _combined_projection), else a tensor of
+    no elements. params (and HC's W): the stacked parameters (L, ...). The streams: H, or given the last
+    sublayer's post_in (B, T, n, 1) and update u_in (B, T, C), H' + post_in^T u_in with H the last H'."""
     acc, acc_tl = accumulator(H.dtype)
     H3, XW, W, P, (n, C, K, n_perm), blocks = _stream_args(H, XW, W, params, kind)
     N = H3.shape[0]
     h = H.new_empty((0,) if replay else H.shape[:-2] + (C,))
     mixed = H.new_empty(H.shape)
     post = torch.empty(H.shape[:-1] + (1,), device=H.device, dtype=acc)  # a column: advance adds post u as is
-    projected = torch.empty(H.shape[:-1] + (K,) if W is not None else (0,), device=H.device, dtype=acc)
-    _stream_mix_fwd[(triton.cdiv(N, blocks['BT']),)](H3, W, projected if W is not None else XW, *P, h, mixed, post,
+    projected = torch.empty(_projected_shape(H, XW, UW, W), device=H.device, dtype=acc)
+    _stream_mix_fwd[(triton.cdiv(N, blocks['BT']),)](H3, *_last_update(post_in, u_in), UW, W, XW,
+                                                     projected if projected.numel() else XW, *P, h, mixed, post,
                                                      i, H3.stride(0), H3.stride(1), N, n, C, K, n_perm, RMS_EPS,
-                                                     KIND=kind, PROJECT=W is not None, REPLAY=replay,
-                                                     ACC=acc_tl, KP=next_pow2(K), **blocks)
+                                                     KIND=kind, PROJECT=W is not None, COMBINE=UW is not None,
+                                                     REPLAY=replay, ADD=post_in is not None, ACC=acc_tl,
+                                                     KP=next_pow2(K), **blocks)
     return h, mixed, post, projected
 
 
+def _projected_shape(H, XW, UW, W):
+    """The shape of the XW the forward kernel writes: HC's (..., n, K) given W, mHC-lite's combined
+    (N, K) given UW, else none."""
+    return H.shape[:-1] + (W.shape[-1],) if W is not None else XW.shape if UW is not None else (0,)
+
+
 @_triton_stream_mix.register_fake
-def _(H, XW, W, params, i, kind, replay):
-    acc, (C, K) = accumulator(H.dtype)[0], (H.shape[-1], W.shape[-1] if W is not None else 0)
+def _(H, post_in, u_in, XW, UW, W, params, i, kind, replay):
+    acc, C = accumulator(H.dtype)[0], H.shape[-1]
     return (H.new_empty((0,) if replay else H.shape[:-2] + (C,)), H.new_empty(H.shape),
-            H.new_empty(H.shape[:-1] + (1,), dtype=acc), H.new_empty(H.shape[:-1] + (K,) if W is not None else (0,), dtype=acc))
+            H.new_empty(H.shape[:-1] + (1,), dtype=acc), H.new_empty(_projected_shape(H, XW, UW, W), dtype=acc))
 
 
 @torch.library.custom_op('resroute::stream_mix_backward', mutates_args=())
-def _triton_stream_mix_backward(H: Tensor, XW: Optional[Tensor], W: Optional[Tensor], params: List[Tensor], i: int,
-                                kind: int, grad_h: Tensor, grad_mixed: Tensor,
-                                grad_post: Tensor) -> Tuple[Tensor, List[Tensor], Tensor]:
-    """d H (HC: whole; mHC-lite: without the projection's GEMM), [d XW] (mHC-lite; else []), and each
+def _triton_stream_mix_backward(H: Tensor, post_in: Optional[Tensor], u_in: Optional[Tensor], XW: Optional[Tensor],
+                                W: Optional[Tensor], params: List[Tensor], i: int, kind: int, grad_h: Tensor,
+                                grad_mixed: Tensor, grad_post: Tensor,
+                                low: Optional[torch.dtype]) -> Tuple[Tensor, List[Tensor], Tensor, List[Tensor]]:
+    """d H (HC: whole; mHC-lite: without the projection's GEMM), [d XW] (mHC-lite; else []), each
     program's partial sums of the parameters' gradients ([width | depth | s_a, s_b | W (C, n + 2)] or
-    [alpha | bias]), to be summed over programs."""
+    [alpha | bias]), to be summed over programs, and given post_in and u_in (the streams formed as in
+    the forward; d H is then d H' of the last sublayer) HC's [d u_in, d post_in] or mHC-lite's [the
+    streams formed, in `low` (autocast's dtype) where given], else []."""
     acc, acc_tl = accumulator(H.dtype)
     H3, XW, W, P, (n, C, K, n_perm), blocks = _stream_args(H, XW, W, params, kind)
     N = H3.shape[0]
     d_H = torch.empty(H.shape, device=H.device, dtype=H.dtype)
     d_XW = torch.empty(XW.shape, device=H.device, dtype=acc) if kind == MHC else None
+    d_u, d_post, formed = _last_outputs(H, post_in, u_in, kind, low)
     n_part = 3 + 2 * n + n_perm if kind == MHC else n * (n + 1) + n + (2 + C * K if kind == HC else 0)
     programs = reduction_programs(triton.cdiv(N, blocks['BT']))
     parts = torch.empty((programs, n_part), device=H.device, dtype=acc)
-    _stream_mix_bwd[(programs,)](H3, W, XW, *P, grad_h.contiguous(), grad_mixed.contiguous(), grad_post.contiguous(),
-                                 d_H, d_XW, parts, i, H3.stride(0), H3.stride(1), N, n, C, K, n_perm, n_part, RMS_EPS,
-                                 KIND=kind, ACC=acc_tl, **blocks)
-    return d_H, [] if d_XW is None else [d_XW], parts
+    _stream_mix_bwd[(programs,)](H3, *_last_update(post_in, u_in), W, XW, *P, grad_h.contiguous(),
+                                 grad_mixed.contiguous(), grad_post.contiguous(), d_H, d_u, d_post, formed, d_XW,
+                                 parts, i, H3.stride(0), H3.stride(1), N, n, C, K, n_perm, n_part, RMS_EPS,
+                                 KIND=kind, ADD=post_in is not None, ACC=acc_tl, **blocks)
+    return d_H, [] if d_XW is None else [d_XW], parts, [t for t in (d_u, d_post, formed) if t is not None]
 
 
 @_triton_stream_mix_backward.register_fake
-def _(H, XW, W, params, i, kind, grad_h, grad_mixed, grad_post):
+def _(H, post_in, u_in, XW, W, params, i, kind, grad_h, grad_mixed, grad_post, low):
     acc, (n, C), N = accumulator(H.dtype)[0], H.shape[-2:], H.numel() // (H.shape[-2] * H.shape[-1])
     K, n_perm = W.shape[-1] if W is not None else 0 if XW is None else XW.shape[-1], params[2].shape[0] if kind == MHC else 1
     n_part = 3 + 2 * n + n_perm if kind == MHC else n * (n + 1) + n + (2 + C * K if kind == HC else 0)
     programs = reduction_programs(-(-N // stream_tile(n, C, n_perm, N)))
     return (H.new_empty(H.shape), [XW.new_empty(XW.shape, dtype=acc)] if kind == MHC else [],
-            H.new_empty((programs, n_part), dtype=acc))
+            H.new_empty((programs, n_part), dtype=acc),
+            [t for t in _last_outputs(H, post_in, u_in, kind, low) if t is not None])
+
+
+def _last_outputs(H, post_in, u_in, kind, low):
+    """The stream backward's outputs for the last sublayer's update (see _triton_stream_mix_backward):
+    d u_in, d post_in and the streams formed, or None."""
+    if post_in is None:
+        return None, None, None
+    if kind == MHC:
+        return None, None, torch.empty(H.shape, device=H.device, dtype=low or H.dtype)
+    return (torch.empty(u_in.shape, device=H.device, dtype=u_in.dtype),
+            torch.empty(post_in.shape, device=H.device, dtype=post_in.dtype), None)
 
 
 @torch.library.custom_op('resroute::advance_backward', mutates_args=())
@@ -1756,10 +1876,18 @@ class StreamGrads:
     (autograd.grad with inputs inside the model) leaves its rows behind."""
 
     def __init__(self, kind, params, W):
-        self.kind, self.params, self.W, self.rows, self.W_t = kind, params, W, {}, None
+        self.kind, self.params, self.W, self.rows, self.W_t, self.W_s = kind, params, W, {}, None, None
 
     def add(self, i, parts):
         self.rows[i] = (parts.sum(0),)
+
+    def by_stream(self, i):
+        """[W_1 | .. | W_n] (C, n K) of mHC-lite's sublayer i, W_s its rows of stream s (the stack
+        rearranged once per forward, not once per sublayer): u [W_1 | .. | W_n] projects an update u."""
+        if self.W_s is None:
+            (L, nC, K), n = self.W.shape, self.params[2].shape[1]
+            self.W_s = self.W.detach().view(L, n, nC // n, K).transpose(1, 2).reshape(L, nC // n, n * K).unbind()
+        return self.W_s[i]
 
     def transposed(self, i):
         """W_i^T of mHC-lite's sublayer i (the stack transposed once per backward, not once per sublayer)."""
@@ -1769,7 +1897,7 @@ class StreamGrads:
 
     def take(self):
         """The gradients of the parameters (and of HC's W): [width | depth | s_a, s_b | W] or [alpha | bias]."""
-        rows, self.rows, self.W_t, L = self.rows, {}, None, self.params[0].shape[0]
+        rows, self.rows, self.W_t, self.W_s, L = self.rows, {}, None, None, self.params[0].shape[0]
         rows, = stack_rows(rows, L)
         params = [p for p in self.params + ([self.W] if self.kind == HC else []) if p.is_floating_point()]
         grads = rows.split([p.numel() // L for p in params], dim=1)  # (mHC-lite's permutations: none)
@@ -1778,23 +1906,30 @@ class StreamGrads:
 
 
 class TritonStreamMix(torch.autograd.Function):
-    """StreamMix with the Triton kernels: (h, H', post) of sublayer i from the streams H, the projection
-    W (HC: the stacked (L, C, n + 2), or None (static); mHC-lite: sublayer i's) and the stacked
-    connection parameters, saving XW (a few numbers per token) and no streams; the backward rebuilds
-    the streams from the segment. HC's projection is the kernels' (forward and backward); mHC-lite's is
-    two GEMMs beside them. The parameters' gradients gather in a StreamGrads."""
+    """StreamMix with the Triton kernels: (h, H', post) of sublayer i from the streams (H, post_in,
+    u_in) (H itself, or the last sublayer's H' + post_in^T u_in: see triton_stream_plan), the
+    projection W (HC: the stacked (L, C, n + 2), or None (static); mHC-lite: sublayer i's) and the
+    stacked connection parameters, saving XW (a few numbers per token) and no streams; the backward
+    rebuilds the streams from the segment, and gives the last sublayer's H', post and u their
+    gradients. HC's projection is the kernels' (forward and backward); mHC-lite's is GEMMs beside
+    them. The parameters' gradients gather in a StreamGrads."""
 
     @staticmethod
-    def forward(ctx, H, W, segment, grads, *params):
+    def forward(ctx, H, post_in, u_in, W, segment, grads, *params):
         i, kind = segment.start + len(segment.connections), grads.kind
-        if kind == MHC:  # mHC-lite's projection by cuBLAS: XW (N, K) of the rows (N, n C)
-            XW = torch.mm(H.reshape(-1, W.shape[0]), W)
-            h, mixed, post, _ = _triton_stream_mix(H, XW, None, list(params), i, kind, False)
+        if kind == MHC:  # mHC-lite's projection by cuBLAS: XW (N, K) of the rows (N, n C), of H' + post^T u as
+            # H' W and u W_s; H' W at the streams' precision (under autocast, a half-precision copy of H' moved more)
+            with torch.autocast(H.device.type, enabled=False):
+                XW = torch.mm(H.reshape(-1, W.shape[0]), W.to(H.dtype))
+            UW = None if u_in is None else torch.mm(u_in.reshape(-1, u_in.shape[-1]), grads.by_stream(i))
+            h, mixed, post, combined = _triton_stream_mix(H, post_in, u_in, XW, UW, None, list(params), i, kind, False)
+            XW = XW if UW is None else combined
         else:  # HC's by the kernel (static HC: none)
-            h, mixed, post, XW = _triton_stream_mix(H, None, W, list(params), i, kind, False)
+            h, mixed, post, XW = _triton_stream_mix(H, post_in, u_in, None, None, W, list(params), i, kind, False)
             XW = None if W is None else XW
         segment.connections.append((XW, i))  # the replay's kernel computes post again from XW
-        ctx.save_for_backward(H if i == segment.start else None, W, XW, *params)
+        start = (H, post_in, u_in) if i == segment.start else (None,) * 3
+        ctx.save_for_backward(*start, W, XW, *params)
         device = H.device.type
         ctx.autocast = dict(device_type=device, dtype=torch.get_autocast_dtype(device),
                             enabled=torch.is_autocast_enabled(device))
@@ -1803,22 +1938,26 @@ class TritonStreamMix(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_h, grad_mixed, grad_post):
-        _, W, XW, *params = ctx.saved_tensors
-        H, kind = ctx.segment.streams_at(ctx.i, ctx.autocast), ctx.grads.kind
-        d_H, d_XW, parts = _triton_stream_mix_backward(H, XW, W if kind == HC else None, params, ctx.i, kind,
-                                                       grad_h, grad_mixed, grad_post)
+        _, _, _, W, XW, *params = ctx.saved_tensors
+        (H, post_in, u_in), kind = ctx.segment.streams_at(ctx.i, ctx.autocast), ctx.grads.kind
+        # mHC-lite's streams for W's gradient in autocast's dtype (float32 streams): its product at the precision of autocast's
+        low = ctx.autocast['dtype'] if ctx.autocast['enabled'] and H.dtype == torch.float32 else None
+        d_H, d_XW, parts, d_last = _triton_stream_mix_backward(H, post_in, u_in, XW, W if kind == HC else None, params,
+                                                               ctx.i, kind, grad_h, grad_mixed, grad_post, low)
         ctx.grads.add(ctx.i, parts)
-        grad_W = None
-        if kind == MHC:  # XW = rows W: rows get d_XW W^T, W gets rows^T d_XW
-            rows, d_XW = H.view(-1, W.shape[0]), d_XW[0]
+        d_u, d_post, grad_W = *(d_last if kind != MHC and d_last else (None, None)), None
+        if kind == MHC:  # XW = rows W: rows get d_XW W^T, W gets rows^T d_XW (rows: the streams as the kernel formed them)
+            rows, d_XW = (d_last[0] if d_last else H).reshape(-1, W.shape[0]), d_XW[0]  # (e's n copies: a dense copy)
             d_H.view(rows.shape).addmm_(d_XW.to(d_H.dtype), ctx.grads.transposed(ctx.i).to(d_H.dtype))
             grad_W = (rows.t() @ d_XW.to(rows.dtype)).to(W.dtype)
+            if d_last:  # the update's backward, from the whole d H
+                d_u, d_post = _triton_advance_backward(d_H, u_in, post_in)
         if ctx.i > 0:
-            return d_H, grad_W, None, None, *[None] * len(params)
+            return d_H, d_post, d_u, grad_W, None, None, *[None] * len(params)
         grads = ctx.grads.take()
         if kind == HC:
             grad_W = grads.pop()
-        return d_H, grad_W, None, None, *(grads + [None] * (len(params) - len(grads)))
+        return d_H, d_post, d_u, grad_W, None, None, *(grads + [None] * (len(params) - len(grads)))
 
 
 def triton_stream_params(connections):

@@ -317,11 +317,15 @@ def test_recomputed_streams_under_bfloat16_autocast(residual, knobs, backend, mo
     Through Triton's interpreter at one seed and fewer tokens (it runs each program in Python)."""
     seen, rebuilt, streams_at = [], [], kernels.StreamSegment.streams_at
 
-    def recorded(step, H_at, replay):  # the streams of the forward's calls of a step (not the backward's replays)
-        return lambda *args: (None if replay(args) else seen.append(args[H_at].clone())) or step(*args)
+    def recorded(step, streams, replay):  # the streams of the forward's calls of a step (not the backward's replays)
+        return lambda *args: (None if replay(args) else seen.append(streams(args))) or step(*args)
     for step in (kernels.HCStep, kernels.MHCStep):  # (self, H, i, saved): saved None in the forward
-        monkeypatch.setattr(step, '__call__', recorded(step.__call__, 1, lambda args: len(args) > 3 and args[3] is not None))
-    monkeypatch.setattr(kernels, '_triton_stream_mix', recorded(kernels._triton_stream_mix, 0, lambda args: args[-1]))
+        monkeypatch.setattr(step, '__call__', recorded(step.__call__, lambda args: args[1].clone(),
+                                                       lambda args: len(args) > 3 and args[3] is not None))
+    # the kernels' streams (H, post, u): H itself, or the last H' and the update that the kernel adds
+    monkeypatch.setattr(kernels, '_triton_stream_mix', recorded(
+        kernels._triton_stream_mix, lambda args: [None if a is None else a.clone() for a in args[:3]],
+        lambda args: args[-1]))
     monkeypatch.setattr(kernels.StreamSegment, 'streams_at',
                         lambda self, i, autocast: rebuilt.append(streams_at(self, i, autocast)) or rebuilt[-1])
     errors = {'reference': [], backend: []}
@@ -338,7 +342,8 @@ def test_recomputed_streams_under_bfloat16_autocast(residual, knobs, backend, mo
             forward_streams, rebuilt[:] = seen[:6], []
             loss.backward()
             results[backend, precision] = loss.item(), torch.cat([p.grad.flatten() for p in model.parameters()])
-        assert len(rebuilt) == 6 and all(torch.equal(a.flatten(0, -3), b.flatten(0, -3))  # (the PyTorch step's: (N, n, C))
+        same = lambda a, b: a is b is None or torch.equal(a.flatten(0, -3), b.flatten(0, -3))  # (PyTorch's: (N, n, C))
+        assert len(rebuilt) == 6 and all(same(a, b) if isinstance(a, torch.Tensor) else all(map(same, a, b))
                                          for a, b in zip(forward_streams, reversed(rebuilt)))
         (loss64, grads64) = results['reference', 'float64']
         for backend in errors:
