@@ -787,8 +787,8 @@ OPERATORS = {
               'block_attnres': (429, 570), 'delta_attnres': (482, 591), 'wav': (751, 782), 'hc': (408, 760),
               'mhc_lite': (472, 710), 'mgr': (500, 540), 'denseformer': (169, 322), 'mudd': (291, 411)},
     'triton': {'prenorm': (135, 245), 'rezero': (152, 239), 'layerscale': (168, 255), 'attnres': (159, 297),
-               'block_attnres': (159, 297), 'delta_attnres': (206, 315), 'wav': (195, 302), 'hc': (179, 284),
-               'mhc_lite': (204, 312), 'mgr': (154, 265), 'denseformer': (169, 322), 'mudd': (280, 417)},
+               'block_attnres': (159, 297), 'delta_attnres': (206, 315), 'wav': (195, 302), 'hc': (159, 276),
+               'mhc_lite': (202, 314), 'mgr': (154, 265), 'denseformer': (169, 322), 'mudd': (280, 417)},
 }
 
 
@@ -817,7 +817,7 @@ BYTES = {
               'delta_attnres': 2.116, 'wav': 2.879, 'hc': 3.343, 'mhc_lite': 3.225, 'mgr': 3.053,
               'denseformer': 1.149, 'mudd': 1.533},
     'triton': {'prenorm': 1.0, 'rezero': 0.984, 'layerscale': 1.111, 'attnres': 1.125, 'block_attnres': 1.099,
-               'delta_attnres': 1.311, 'wav': 1.229, 'hc': 1.737, 'mhc_lite': 2.029, 'mgr': 1.232,
+               'delta_attnres': 1.311, 'wav': 1.229, 'hc': 1.493, 'mhc_lite': 1.885, 'mgr': 1.232,
                'denseformer': 1.149, 'mudd': 1.428},
 }
 
