@@ -14,7 +14,8 @@ computes (plain autograd, the oracle); this file holds every fast path behind on
 `route(residual, x, sublayers, backend)` runs a method: the fast twin listed in FAST (at the bottom)
 for its class, or its own forward (the reference, and every method without a twin here). The tests
 hold every twin equal to the reference, in value and in every gradient. `python bench.py
---count_ops=True` counts the operators (GPU launches) one training step dispatches; a test pins them.
+--count_ops=True` counts the operators (GPU launches) one training step dispatches, and `--count_bytes=True`
+the bytes they move (memory traffic); tests pin both.
 
 Precision: every path computes at its inputs' precision, upcasting half precision only; float64
 stays float64 (the Triton kernels too), so the tests hold every fast path to its class in float64.
