@@ -1356,8 +1356,11 @@ def compiled_streams(module, connections, H, sublayers):
 # they read them (ADD), forward, replay and backward, and HC's backward kernel does the update's backward
 # too (d H' = d H, d u = sum_s post_s d H_s, d post_s = d H_s . u). mHC-lite's projection of the streams
 # is H' W + sum_s post_s (u W_s), two GEMMs combined in the kernel; its backward kernel writes the
-# streams it formed for the GEMM of W's gradient, and the update's backward (_advance_bwd) follows the
-# GEMM that completes d H. The readout's streams, after the last sublayer, are formed by advance.
+# streams it formed for the GEMM of W's gradient and does the update's backward too, by linearity:
+# d H = d H_kernel + d XW W^T (a GEMM after it), so d u = sum_s post_s d H_kernel,s + (post^T d XW)
+# [W_1 | .. | W_n]^T (the kernel writes post^T d XW, n K numbers a token; a GEMM adds its product) and
+# d post_s = d H_kernel,s . u + d XW . (u W_s) (the forward's u W_s, saved), so no pass reads the
+# whole d H again. The readout's streams, after the last sublayer, are formed by advance (_advance_bwd).
 # Kinds: HC (dynamic), HC static, mHC-lite.
 HC, HC_STATIC, MHC = 0, 1, 2
 STREAM_BC = 256  # columns per pass: the (n + 1, n, BC) products stay small in registers
@@ -1606,8 +1609,9 @@ if triton is not None:
         (+ HC: d XW_s W^T, and W's gradient H^T d XW in this program's part of PART, at part_w: written by
         the program's first tile, added to by its `later` ones). With ADD, d H is also the last sublayer's
         d H', and (HC) its update's backward is here: d u = sum_s post_s d H_s written, d post_s = d H_s . u
-        returned (BT, NP); mHC-lite's d H lacks its GEMM's share, which the update's backward needs: it
-        writes the streams it formed for that GEMM and its projection's gradient instead (OUT_H)."""
+        returned (BT, NP). mHC-lite's d H lacks its GEMM's share (d XW W^T), so its d u and d post are the
+        kernel's parts of them (_mhc_update_bwd and a GEMM outside add the rest); it also writes the
+        streams it formed, for the GEMM of its projection's gradient (OUT_H)."""
         d_post_in = tl.zeros((BT, NP), ACC)
         for c0 in range(0, C, BC):
             cols = c0 + c
@@ -1630,14 +1634,29 @@ if triton is not None:
                 tl.store(part_w + cols * K + n + 1, g_b, mask=cols < C)
             tl.store(D_H + t[:, None, None] * n * C + k[None, :, None] * C + cols[None, None, :],
                      dH.to(D_H.dtype.element_ty), mask=tk3 & cmask)
-            if ADD and KIND == 2:
-                tl.store(OUT_H + t[:, None, None] * n * C + k[None, :, None] * C + cols[None, None, :],
-                         HT.to(OUT_H.dtype.element_ty), mask=tk3 & cmask)
-            elif ADD:
+            if ADD:
+                if KIND == 2:
+                    tl.store(OUT_H + t[:, None, None] * n * C + k[None, :, None] * C + cols[None, None, :],
+                             HT.to(OUT_H.dtype.element_ty), mask=tk3 & cmask)
                 tl.store(D_U + t[:, None] * C + cols[None, :], tl.sum(post_in[:, :, None] * dH, axis=1).to(
                     D_U.dtype.element_ty), mask=tmask[:, None] & (cols < C)[None, :])
                 d_post_in += tl.sum(dH * u[:, None, :], axis=2)
         return d_post_in
+
+    @triton.jit
+    def _mhc_update_bwd(D_XW, UW, D_UW, post_in, t, tmask, k, kmask, n, K, ACC: tl.constexpr, KP: tl.constexpr):
+        """The share of mHC-lite's update backward that flows through its projection's GEMM, for the tokens
+        t: with H = H' + post^T u and d H_s's share d XW W_s^T, d post_s gets d XW . (u W_s) (UW = u [W_1 |
+        .. | W_n], the forward's), returned (BT, NP); d u gets sum_s post_s d XW W_s^T, a GEMM outside of
+        the (N, n K) products post_s d XW, written to D_UW."""
+        q = tl.arange(0, KP)
+        tq = tmask[:, None] & (q < K)[None, :]
+        at = t[:, None, None] * n * K + k[None, :, None] * K + q[None, None, :]  # (BT, NP, KP) of (N, n, K)
+        m3 = tq[:, None, :] & kmask[None, :, None]
+        d_xw = tl.load(D_XW + t[:, None] * K + q[None, :], mask=tq, other=0.).to(ACC)
+        uw = tl.load(UW + at, mask=m3, other=0.).to(ACC)
+        tl.store(D_UW + at, (post_in[:, :, None] * d_xw[:, None, :]).to(D_UW.dtype.element_ty), mask=m3)
+        return tl.sum(uw * d_xw[:, None, :], axis=2)
 
     @triton.jit
     def _stream_parts_store(part, d_AT, d_post, d_pre, d_z, d_a, k, j, p, e, kmask, pmask, m2, n,
@@ -1656,14 +1675,14 @@ if triton is not None:
                 tl.store(part + n * (n + 1) + n + e, d_a, mask=e < 2)
 
     @triton.jit
-    def _stream_mix_bwd(H, POST_IN, U_IN, W, XW, P0, P1, P2, P3, G_H, G_MIXED, G_POST, D_H, D_U, D_POST_IN, OUT_H,
-                        D_XW, PART, i, stride_t, stride_k, N, n, C, K, n_perm, n_part, eps, KIND: tl.constexpr,
-                        ADD: tl.constexpr, ACC: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr, NP1: tl.constexpr,
-                        PP: tl.constexpr, BC: tl.constexpr):
+    def _stream_mix_bwd(H, POST_IN, U_IN, UW, W, XW, P0, P1, P2, P3, G_H, G_MIXED, G_POST, D_H, D_U, D_POST_IN,
+                        OUT_H, D_UW, D_XW, PART, i, stride_t, stride_k, N, n, C, K, n_perm, n_part, eps,
+                        KIND: tl.constexpr, ADD: tl.constexpr, ACC: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr,
+                        NP1: tl.constexpr, KP: tl.constexpr, PP: tl.constexpr, BC: tl.constexpr):
         # per tile of tokens: d A^T and the RMS in a pass over the columns, the connections again, their
         # backward (mHC-lite's or HC's), and d H in a second pass (with ADD, the last sublayer's update's
-        # backward with it); the parameters' gradients summed per program (the helpers are inlined: one
-        # kernel, one launch)
+        # backward with it: mHC-lite's with its projection's share from d XW); the parameters' gradients
+        # summed per program (the helpers are inlined: one kernel, one launch)
         pid, programs = tl.program_id(0), tl.num_programs(0)
         P0, P1, P2, P3 = _sublayer_params(P0, P1, P2, P3, i, n, K, KIND)  # as in the forward
         if KIND == 0:
@@ -1715,7 +1734,10 @@ if triton is not None:
             d_post_in = _streams_grad(H, U_IN, post_in, W, G_H, G_MIXED, D_H, D_U, OUT_H, part_w, AT, corr, d_xa,
                                       d_xb, later, streams, t, tmask, k, j, c, jmask, tk3, tj, t0, n, C, K, KIND, ADD,
                                       ACC, BT, NP, BC)
-            if ADD and KIND != 2:
+            if ADD:
+                if KIND == 2:  # d XW, written by _mhc_connections_bwd, read back (other threads wrote it)
+                    tl.debug_barrier()
+                    d_post_in += _mhc_update_bwd(D_XW, UW, D_UW, post_in, t, tmask, k, kmask, n, K, ACC, KP)
                 tl.store(D_POST_IN + t[:, None] * n + k[None, :], d_post_in.to(D_POST_IN.dtype.element_ty), mask=tk)
         _stream_parts_store(PART + pid * n_part, d_AT, d_post, d_pre, d_z, d_a, k, j, p, e, kmask, pmask, m2, n, KIND)
 
@@ -1804,51 +1826,57 @@ def _(H, post_in, u_in, XW, UW, W, params, i, kind, replay):
 
 
 @torch.library.custom_op('resroute::stream_mix_backward', mutates_args=())
-def _triton_stream_mix_backward(H: Tensor, post_in: Optional[Tensor], u_in: Optional[Tensor], XW: Optional[Tensor],
-                                W: Optional[Tensor], params: List[Tensor], i: int, kind: int, grad_h: Tensor,
-                                grad_mixed: Tensor, grad_post: Tensor,
+def _triton_stream_mix_backward(H: Tensor, post_in: Optional[Tensor], u_in: Optional[Tensor], UW: Optional[Tensor],
+                                XW: Optional[Tensor], W: Optional[Tensor], params: List[Tensor], i: int, kind: int,
+                                grad_h: Tensor, grad_mixed: Tensor, grad_post: Tensor,
                                 low: Optional[torch.dtype]) -> Tuple[Tensor, List[Tensor], Tensor, List[Tensor]]:
     """d H (HC: whole; mHC-lite: without the projection's GEMM), [d XW] (mHC-lite; else []), each
     program's partial sums of the parameters' gradients ([width | depth | s_a, s_b | W (C, n + 2)] or
     [alpha | bias]), to be summed over programs, and given post_in and u_in (the streams formed as in
-    the forward; d H is then d H' of the last sublayer) HC's [d u_in, d post_in] or mHC-lite's [the
-    streams formed, in `low` (autocast's dtype) where given], else []."""
+    the forward; d H is then d H' of the last sublayer) [d u_in, d post_in], HC's whole, mHC-lite's
+    without its GEMM's share of d u_in, followed by mHC-lite's [the streams formed as rows (N, n C), in
+    `low` (autocast's dtype) where given, and post_in^T d XW (N, n K) for that share], else []. UW:
+    mHC-lite's u_in [W_1 | .. | W_n] of the forward (see _combined_projection)."""
     acc, acc_tl = accumulator(H.dtype)
     H3, XW, W, P, (n, C, K, n_perm), blocks = _stream_args(H, XW, W, params, kind)
     N = H3.shape[0]
     d_H = torch.empty(H.shape, device=H.device, dtype=H.dtype)
     d_XW = torch.empty(XW.shape, device=H.device, dtype=acc) if kind == MHC else None
-    d_u, d_post, formed = _last_outputs(H, post_in, u_in, kind, low)
+    last = _last_outputs(H, post_in, u_in, UW, kind, low)
     n_part = 3 + 2 * n + n_perm if kind == MHC else n * (n + 1) + n + (2 + C * K if kind == HC else 0)
     programs = reduction_programs(triton.cdiv(N, blocks['BT']))
     parts = torch.empty((programs, n_part), device=H.device, dtype=acc)
-    _stream_mix_bwd[(programs,)](H3, *_last_update(post_in, u_in), W, XW, *P, grad_h.contiguous(),
-                                 grad_mixed.contiguous(), grad_post.contiguous(), d_H, d_u, d_post, formed, d_XW,
-                                 parts, i, H3.stride(0), H3.stride(1), N, n, C, K, n_perm, n_part, RMS_EPS,
-                                 KIND=kind, ADD=post_in is not None, ACC=acc_tl, **blocks)
-    return d_H, [] if d_XW is None else [d_XW], parts, [t for t in (d_u, d_post, formed) if t is not None]
+    _stream_mix_bwd[(programs,)](H3, *_last_update(post_in, u_in), None if UW is None else UW.contiguous(), W, XW, *P,
+                                 grad_h.contiguous(), grad_mixed.contiguous(), grad_post.contiguous(), d_H, *last,
+                                 d_XW, parts, i, H3.stride(0), H3.stride(1), N, n, C, K, n_perm, n_part, RMS_EPS,
+                                 KIND=kind, ADD=post_in is not None, ACC=acc_tl, KP=next_pow2(K), **blocks)
+    return d_H, [] if d_XW is None else [d_XW], parts, [t for t in last if t is not None]
 
 
 @_triton_stream_mix_backward.register_fake
-def _(H, post_in, u_in, XW, W, params, i, kind, grad_h, grad_mixed, grad_post, low):
+def _(H, post_in, u_in, UW, XW, W, params, i, kind, grad_h, grad_mixed, grad_post, low):
     acc, (n, C), N = accumulator(H.dtype)[0], H.shape[-2:], H.numel() // (H.shape[-2] * H.shape[-1])
     K, n_perm = W.shape[-1] if W is not None else 0 if XW is None else XW.shape[-1], params[2].shape[0] if kind == MHC else 1
     n_part = 3 + 2 * n + n_perm if kind == MHC else n * (n + 1) + n + (2 + C * K if kind == HC else 0)
     programs = reduction_programs(-(-N // stream_tile(n, C, n_perm, N)))
     return (H.new_empty(H.shape), [XW.new_empty(XW.shape, dtype=acc)] if kind == MHC else [],
             H.new_empty((programs, n_part), dtype=acc),
-            [t for t in _last_outputs(H, post_in, u_in, kind, low) if t is not None])
+            [t for t in _last_outputs(H, post_in, u_in, UW, kind, low) if t is not None])
 
 
-def _last_outputs(H, post_in, u_in, kind, low):
+def _last_outputs(H, post_in, u_in, UW, kind, low):
     """The stream backward's outputs for the last sublayer's update (see _triton_stream_mix_backward):
-    d u_in, d post_in and the streams formed, or None."""
+    d u_in, d post_in, and mHC-lite's streams formed and post_in^T d XW (in u_in's dtype, as its GEMM),
+    or None."""
     if post_in is None:
-        return None, None, None
+        return None, None, None, None
+    grads = (torch.empty(u_in.shape, device=H.device, dtype=u_in.dtype),
+             torch.empty(post_in.shape, device=H.device, dtype=post_in.dtype))
     if kind == MHC:
-        return None, None, torch.empty(H.shape, device=H.device, dtype=low or H.dtype)
-    return (torch.empty(u_in.shape, device=H.device, dtype=u_in.dtype),
-            torch.empty(post_in.shape, device=H.device, dtype=post_in.dtype), None)
+        rows = (H.numel() // (H.shape[-2] * H.shape[-1]), H.shape[-2] * H.shape[-1])
+        return *grads, torch.empty(rows, device=H.device, dtype=low or H.dtype), torch.empty(
+            UW.shape, device=H.device, dtype=u_in.dtype)
+    return *grads, None, None
 
 
 @torch.library.custom_op('resroute::advance_backward', mutates_args=())
@@ -1877,7 +1905,8 @@ class StreamGrads:
     (autograd.grad with inputs inside the model) leaves its rows behind."""
 
     def __init__(self, kind, params, W):
-        self.kind, self.params, self.W, self.rows, self.W_t, self.W_s = kind, params, W, {}, None, None
+        self.kind, self.params, self.W, self.rows = kind, params, W, {}
+        self.W_t = self.W_s = self.W_s_t = None
 
     def add(self, i, parts):
         self.rows[i] = (parts.sum(0),)
@@ -1887,8 +1916,17 @@ class StreamGrads:
         rearranged once per forward, not once per sublayer): u [W_1 | .. | W_n] projects an update u."""
         if self.W_s is None:
             (L, nC, K), n = self.W.shape, self.params[2].shape[1]
-            self.W_s = self.W.detach().view(L, n, nC // n, K).transpose(1, 2).reshape(L, nC // n, n * K).unbind()
-        return self.W_s[i]
+            stack = self.W.detach().view(L, n, nC // n, K).transpose(1, 2).reshape(L, nC // n, n * K)
+            self.W_s = stack, stack.unbind()
+        return self.W_s[1][i]
+
+    def by_stream_transposed(self, i):
+        """[W_1 | .. | W_n]^T (n K, C) of mHC-lite's sublayer i, which d u's share through the projection
+        multiplies (the rearranged stack transposed once per backward, not once per sublayer)."""
+        if self.W_s_t is None:
+            self.by_stream(i)
+            self.W_s_t = self.W_s[0].mT.unbind()
+        return self.W_s_t[i]
 
     def transposed(self, i):
         """W_i^T of mHC-lite's sublayer i (the stack transposed once per backward, not once per sublayer)."""
@@ -1898,7 +1936,7 @@ class StreamGrads:
 
     def take(self):
         """The gradients of the parameters (and of HC's W): [width | depth | s_a, s_b | W] or [alpha | bias]."""
-        rows, self.rows, self.W_t, self.W_s, L = self.rows, {}, None, None, self.params[0].shape[0]
+        rows, self.rows, self.W_t, self.W_s, self.W_s_t, L = self.rows, {}, None, None, None, self.params[0].shape[0]
         rows, = stack_rows(rows, L)
         params = [p for p in self.params + ([self.W] if self.kind == HC else []) if p.is_floating_point()]
         grads = rows.split([p.numel() // L for p in params], dim=1)  # (mHC-lite's permutations: none)
@@ -1910,10 +1948,10 @@ class TritonStreamMix(torch.autograd.Function):
     """StreamMix with the Triton kernels: (h, H', post) of sublayer i from the streams (H, post_in,
     u_in) (H itself, or the last sublayer's H' + post_in^T u_in: see triton_stream_plan), the
     projection W (HC: the stacked (L, C, n + 2), or None (static); mHC-lite: sublayer i's) and the
-    stacked connection parameters, saving XW (a few numbers per token) and no streams; the backward
-    rebuilds the streams from the segment, and gives the last sublayer's H', post and u their
-    gradients. HC's projection is the kernels' (forward and backward); mHC-lite's is GEMMs beside
-    them. The parameters' gradients gather in a StreamGrads."""
+    stacked connection parameters, saving XW (and mHC-lite's u [W_1 | .. | W_n]: a few numbers per
+    token) and no streams; the backward rebuilds the streams from the segment, and gives the last
+    sublayer's H', post and u their gradients. HC's projection is the kernels' (forward and backward);
+    mHC-lite's is GEMMs beside them. The parameters' gradients gather in a StreamGrads."""
 
     @staticmethod
     def forward(ctx, H, post_in, u_in, W, segment, grads, *params):
@@ -1927,10 +1965,10 @@ class TritonStreamMix(torch.autograd.Function):
             XW = XW if UW is None else combined
         else:  # HC's by the kernel (static HC: none)
             h, mixed, post, XW = _triton_stream_mix(H, post_in, u_in, None, None, W, list(params), i, kind, False)
-            XW = None if W is None else XW
+            XW, UW = None if W is None else XW, None
         segment.connections.append((XW, i))  # the replay's kernel computes post again from XW
         start = (H, post_in, u_in) if i == segment.start else (None,) * 3
-        ctx.save_for_backward(*start, W, XW, *params)
+        ctx.save_for_backward(*start, W, XW, UW, *params)  # (mHC-lite's UW: d post_in's share through XW)
         device = H.device.type
         ctx.autocast = dict(device_type=device, dtype=torch.get_autocast_dtype(device),
                             enabled=torch.is_autocast_enabled(device))
@@ -1939,20 +1977,21 @@ class TritonStreamMix(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_h, grad_mixed, grad_post):
-        _, _, _, W, XW, *params = ctx.saved_tensors
+        _, _, _, W, XW, UW, *params = ctx.saved_tensors
         (H, post_in, u_in), kind = ctx.segment.streams_at(ctx.i, ctx.autocast), ctx.grads.kind
         # mHC-lite's streams for W's gradient in autocast's dtype (float32 streams): its product at the precision of autocast's
         low = ctx.autocast['dtype'] if ctx.autocast['enabled'] and H.dtype == torch.float32 else None
-        d_H, d_XW, parts, d_last = _triton_stream_mix_backward(H, post_in, u_in, XW, W if kind == HC else None, params,
-                                                               ctx.i, kind, grad_h, grad_mixed, grad_post, low)
+        d_H, d_XW, parts, d_last = _triton_stream_mix_backward(H, post_in, u_in, UW, XW, W if kind == HC else None,
+                                                               params, ctx.i, kind, grad_h, grad_mixed, grad_post, low)
         ctx.grads.add(ctx.i, parts)
-        d_u, d_post, grad_W = *(d_last if kind != MHC and d_last else (None, None)), None
+        d_u, d_post, grad_W = *(d_last[:2] if d_last else (None, None)), None
         if kind == MHC:  # XW = rows W: rows get d_XW W^T, W gets rows^T d_XW (rows: the streams as the kernel formed them)
-            rows, d_XW = (d_last[0] if d_last else H).reshape(-1, W.shape[0]), d_XW[0]  # (e's n copies: a dense copy)
+            rows, d_XW = d_last[2] if d_last else H.reshape(-1, W.shape[0]), d_XW[0]  # (e's n copies: a dense copy)
             d_H.view(rows.shape).addmm_(d_XW.to(d_H.dtype), ctx.grads.transposed(ctx.i).to(d_H.dtype))
             grad_W = (rows.t() @ d_XW.to(rows.dtype)).to(W.dtype)
-            if d_last:  # the update's backward, from the whole d H
-                d_u, d_post = _triton_advance_backward(d_H, u_in, post_in)
+            if d_last:  # d u's share through XW: sum_s post_s d_XW W_s^T, one GEMM of post^T d_XW (N, n K)
+                d_uw = d_last[3]
+                d_u.view(-1, d_u.shape[-1]).addmm_(d_uw, ctx.grads.by_stream_transposed(ctx.i).to(d_uw.dtype))
         if ctx.i > 0:
             return d_H, d_post, d_u, grad_W, None, None, *[None] * len(params)
         grads = ctx.grads.take()
