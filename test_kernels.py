@@ -788,7 +788,7 @@ OPERATORS = {
               'mhc_lite': (472, 710), 'mgr': (500, 540), 'denseformer': (169, 322), 'mudd': (291, 411)},
     'triton': {'prenorm': (135, 245), 'rezero': (152, 239), 'layerscale': (168, 255), 'attnres': (159, 297),
                'block_attnres': (159, 297), 'delta_attnres': (206, 315), 'wav': (195, 302), 'hc': (159, 276),
-               'mhc_lite': (202, 314), 'mgr': (154, 265), 'denseformer': (169, 322), 'mudd': (280, 417)},
+               'mhc_lite': (202, 316), 'mgr': (154, 265), 'denseformer': (169, 322), 'mudd': (280, 417)},
 }
 
 
