@@ -21,8 +21,10 @@ import torch
 
 
 def keys_of(scope):
-    """The keys of a script: its public module-level ints, floats, bools and strings."""
-    return {k: v for k, v in scope.items() if not k.startswith('_') and type(v) in (int, float, bool, str)}
+    """The keys of a script: its public module-level ints, floats, bools and strings, constants (NAMES
+    in capitals) left out."""
+    return {k: v for k, v in scope.items()
+            if not k.startswith('_') and not k.isupper() and type(v) in (int, float, bool, str)}
 
 
 def parse(argv, defaults, doc):

@@ -136,6 +136,14 @@ def test_config_file_and_overrides_are_type_checked(tmp_path):
     assert given == {'n_layer', 'learning_rate', 'dataset', 'out_dir'}
 
 
+def test_a_scripts_constants_are_not_its_keys():
+    """--help lists a script's keys, and only they can be set: its public settings in lower case,
+    not its constants in capitals (bench.py's suite budget per test was listed and settable)."""
+    import configurator
+    assert configurator.keys_of({'steps': 4, 'SUITE_TESTS_S': 120, '_private': 1, 'rate': 0.5, 'f': len}) == \
+        {'steps': 4, 'rate': 0.5}
+
+
 # ----------------------------------------------------------------------------- checkpoints
 
 def test_crash_during_save_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch):
