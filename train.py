@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 import configurator
 import data
+from kernels import resolve as resolve_kernels
 from model import COMPILE_MODES, COMPILE_SCOPES, GPT, GPTConfig, CheckpointError, load_checkpoint, save_checkpoint
 
 # -----------------------------------------------------------------------------
@@ -162,6 +163,7 @@ def start_process(cfg):
         else:
             device = configurator.resolve_device(cfg['device'])
         dtype, ctx = configurator.precision(device, cfg['dtype'])
+        resolve_kernels(cfg['kernels'], device.type)  # checked here, before the dataset is prepared
     except ValueError as e:
         sys.exit(f"error: {e}")
     return Process(ddp, rank, world, device, dtype, ctx)
