@@ -447,13 +447,15 @@ def plot(results, rows, path):
         compared = [m for m in methods if any(row['method'] == m and ref in row['versus'] for row in rows)]
         width = 0.8 / max(1, len(compared))
         for k, method in enumerate(compared):
+            label = method  # on the method's first point (a method may be missing from the first config)
             for g, group in enumerate(groups):
                 row = next((r for r in rows if (r['group'], r['method']) == (group, method)), None)
                 if row is None or ref not in row['versus']:
                     continue
                 diff, half, _ = row['versus'][ref]
                 ax.errorbar(g + (k - (len(compared) - 1) / 2) * width, diff, yerr=half or 0, fmt='o', capsize=3,
-                            color=colors[method], label=method if g == 0 else None)
+                            color=colors[method], label=label)
+                label = None
         ax.axhline(0, color='grey', lw=0.8)
         ax.set_xticks(range(len(groups)), groups, rotation=15, fontsize=8)
         ax.set(title=f"paired difference to {ref}, 95% CI", ylabel='val loss difference (nats)')
