@@ -143,18 +143,25 @@ class OpCounter(TorchDispatchMode):
         return op(*args, **(kwargs or {}))  # the ops inside run with this mode off: a custom op counts once
 
 
-def operator_counts(name, shape, B, x, y, dev, ctx, backend, cfg):
-    """The operators of one forward and backward of a model of this method (after one untimed step,
-    so that nothing lazy is counted)."""
-    torch.manual_seed(cfg['seed'])
-    model = GPT(GPTConfig(**shape, vocab_size=cfg['vocab_size'], residual=name)).to(dev)
+def counted_step(name, shape, x, y, ctx, backend, cfg, counter):
+    """One forward and backward of a model of this method (made on x's device) with `counter`, a dispatch
+    mode, active, after one uncounted step, so that nothing lazy is counted -> the counter."""
+    with x.device:
+        torch.manual_seed(cfg['seed'])
+        model = GPT(GPTConfig(**shape, vocab_size=cfg['vocab_size'], residual=name))
     model.set_kernels(backend, cfg['mgr_fallback_p'])
-    for counter in (contextlib.nullcontext(), OpCounter()):
+    for mode in (contextlib.nullcontext(), counter):
         model.zero_grad(set_to_none=True)
-        with ctx, counter:
+        with ctx, mode:
             _, loss = model(x, y)
-        with counter:
+        with mode:
             loss.backward()
+    return counter
+
+
+def operator_counts(name, shape, B, x, y, dev, ctx, backend, cfg):
+    """The operators of one forward and backward of a model of this method."""
+    counter = counted_step(name, shape, x, y, ctx, backend, cfg, OpCounter())
     return dict(method=name, compute=sum(counter.compute.values()), views=counter.views, ops=counter.compute)
 
 
@@ -183,30 +190,22 @@ class ByteCounter(TorchDispatchMode):
         if is_view(op) or op.namespace == 'prim' or schema.name in NO_TRAFFIC:
             return out
         kwargs = kwargs or {}
-        given = [kwargs.get(a.name) if a.kwarg_only or k >= len(args) else args[k] for k, a in enumerate(schema.arguments)]
+        given = [kwargs.get(a.name) if a.kwarg_only or k >= len(args) else args[k]
+                 for k, a in enumerate(schema.arguments)]
         mutated = [v for v, a in zip(given, schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
         outs = out if len(schema.returns) > 1 else (out,)  # (one return may be a list of tensors)
         fresh = [o for o, r in zip(outs, schema.returns) if r.alias_info is None]
-        moved = tensor_bytes(tree_leaves((args, kwargs))) + tensor_bytes(tree_leaves(mutated)) + tensor_bytes(tree_leaves(fresh))
+        moved = sum(tensor_bytes(tree_leaves(t)) for t in ((args, kwargs), mutated, fresh))
         self.moved[str(op)] = self.moved.get(str(op), 0) + moved
         return out
 
 
 def bytes_moved(name, shape, B, dev, ctx, backend, cfg, fake=True):
-    """The bytes one forward and backward of a model of this method move, by operator (after one
-    uncounted pass, so that nothing lazy is counted), on fake tensors (fake=False: real ones, which
-    a test compares them with)."""
+    """The bytes one forward and backward of a model of this method move, by operator, on fake tensors
+    (fake=False: real ones, which a test compares them with)."""
     with FakeTensorMode() if fake else contextlib.nullcontext(), dev:  # (made on dev: fakes do not move)
-        torch.manual_seed(cfg['seed'])
-        model = GPT(GPTConfig(**shape, vocab_size=cfg['vocab_size'], residual=name))
-        model.set_kernels(backend, cfg['mgr_fallback_p'])
         x, y = (torch.randint(cfg['vocab_size'], (B, shape['block_size'])) for _ in range(2))
-        for counter in (contextlib.nullcontext(), ByteCounter()):
-            model.zero_grad(set_to_none=True)
-            with ctx, counter:
-                _, loss = model(x, y)
-            with counter:
-                loss.backward()
+        counter = counted_step(name, shape, x, y, ctx, backend, cfg, ByteCounter())
     return dict(method=name, bytes=sum(counter.moved.values()), ops=counter.moved)
 
 
