@@ -1843,8 +1843,7 @@ def _triton_stream_mix_backward(H: Tensor, post_in: Optional[Tensor], u_in: Opti
     d_H = torch.empty(H.shape, device=H.device, dtype=H.dtype)
     d_XW = torch.empty(XW.shape, device=H.device, dtype=acc) if kind == MHC else None
     last = _last_outputs(H, post_in, u_in, UW, kind, low)
-    n_part = 3 + 2 * n + n_perm if kind == MHC else n * (n + 1) + n + (2 + C * K if kind == HC else 0)
-    programs = reduction_programs(triton.cdiv(N, blocks['BT']))
+    programs, n_part = _stream_parts(kind, n, C, K, n_perm, N)
     parts = torch.empty((programs, n_part), device=H.device, dtype=acc)
     _stream_mix_bwd[(programs,)](H3, *_last_update(post_in, u_in), None if UW is None else UW.contiguous(), W, XW, *P,
                                  grad_h.contiguous(), grad_mixed.contiguous(), grad_post.contiguous(), d_H, *last,
@@ -1857,11 +1856,16 @@ def _triton_stream_mix_backward(H: Tensor, post_in: Optional[Tensor], u_in: Opti
 def _(H, post_in, u_in, UW, XW, W, params, i, kind, grad_h, grad_mixed, grad_post, low):
     acc, (n, C), N = accumulator(H.dtype)[0], H.shape[-2:], H.numel() // (H.shape[-2] * H.shape[-1])
     K, n_perm = W.shape[-1] if W is not None else 0 if XW is None else XW.shape[-1], params[2].shape[0] if kind == MHC else 1
-    n_part = 3 + 2 * n + n_perm if kind == MHC else n * (n + 1) + n + (2 + C * K if kind == HC else 0)
-    programs = reduction_programs(-(-N // stream_tile(n, C, n_perm, N)))
     return (H.new_empty(H.shape), [XW.new_empty(XW.shape, dtype=acc)] if kind == MHC else [],
-            H.new_empty((programs, n_part), dtype=acc),
+            H.new_empty(_stream_parts(kind, n, C, K, n_perm, N), dtype=acc),
             [t for t in _last_outputs(H, post_in, u_in, UW, kind, low) if t is not None])
+
+
+def _stream_parts(kind, n, C, K, n_perm, N):
+    """The stream backward's partial sums: (programs, numbers a program), [alpha | bias] of mHC-lite,
+    [width | depth | s_a, s_b | W (C, K)] of HC ([width | depth] of static HC)."""
+    n_part = 3 + 2 * n + n_perm if kind == MHC else n * (n + 1) + n + (2 + C * K if kind == HC else 0)
+    return reduction_programs(-(-N // stream_tile(n, C, n_perm, N))), n_part
 
 
 def _last_outputs(H, post_in, u_in, UW, kind, low):
