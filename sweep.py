@@ -35,9 +35,13 @@ from residuals import RESIDUALS
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CHAR_METHODS = ['prenorm', 'rezero', 'layerscale', 'block_attnres', 'wav']
+# the MGR paper's settings: n = 4 and 8 streams, independent and competitive gates (the defaults, n = 4
+# competitive, left off the command line, so that run is the plain `mgr` of every grid)
+MGR_VARIANTS = [['--residual=mgr', *([f'--mgr_streams={n}'] if n != 4 else []),
+                 *([f'--mgr_gate={gate}'] if gate != 'competitive' else [])]
+                for n in (4, 8) for gate in ('competitive', 'independent')]
 FINEWEB_VARIANTS = [['--residual=prenorm'], ['--residual=mhc_lite'], ['--residual=block_attnres'],
-                    ['--residual=attnres']] + [['--residual=mgr', f'--mgr_gate={gate}', f'--mgr_streams={n}']
-                                               for n in (4, 8) for gate in ('independent', 'competitive')]
+                    ['--residual=attnres'], *MGR_VARIANTS]
 GRIDS = {
     # the CPU depth trend: prenorm, block_attnres and wav at 48, 24 and 12 layers of width 64, three seeds, then
     # (in the order of what each decides) WAV against Block AttnRes at 48 layers to eight seeds, the dense
@@ -49,6 +53,9 @@ GRIDS = {
                          variants=[['--residual=block_attnres'], ['--residual=wav']], seeds=[seed]) for seed in range(3, 8)],
                   dict(configs=[['config/cpu_depth.py', f'--n_layer={n}'] for n in (24, 12)],
                        variants=[['--residual=mudd'], ['--residual=denseformer']], seeds=[0, 1, 2]),
+                  # the MGR paper's comparison at depth: MGR at its four settings beside the methods it names
+                  dict(configs=[['config/cpu_depth.py', f'--n_layer={n}'] for n in (12, 24)],
+                       variants=[*MGR_VARIANTS, ['--residual=attnres'], ['--residual=mhc_lite']], seeds=[0, 1, 2]),
                   dict(configs=[['config/cpu_depth.py', '--n_layer=48']],
                        variants=[['--residual=mudd'], ['--residual=denseformer']], seeds=[0, 1, 2]),
                   *[dict(configs=[['config/cpu_depth.py', '--n_layer=24']],
@@ -67,8 +74,10 @@ GRIDS = {
                             ('4e-3', '4e-4', ['--batch_size=32', '--max_iters=800']))],
                   variants=[[f'--residual={r}'] for r in ('prenorm', 'block_attnres')], seeds=[0, 1, 2]),
     # every registered method on the pilot's recipe, five seeds (7.8 hours of run time: about 4 with --jobs=2 on 2 cores)
-    'cpu_study': dict(configs=[['config/cpu_study.py']], variants=[[f'--residual={r}'] for r in RESIDUALS],
-                      seeds=[0, 1, 2, 3, 4]),
+    # then MGR's other three settings of its paper
+    'cpu_study': [dict(configs=[['config/cpu_study.py']], variants=[[f'--residual={r}'] for r in RESIDUALS],
+                       seeds=[0, 1, 2, 3, 4]),
+                  dict(configs=[['config/cpu_study.py']], variants=MGR_VARIANTS[1:], seeds=[0, 1, 2, 3, 4])],
     # ReZero stalls near the bigram plateau at cpu_study's learning rate: its sensitivity, two seeds
     'cpu_study_lr': dict(configs=[['config/cpu_study.py']],
                          variants=[['--residual=rezero', f'--learning_rate={lr}', f'--min_lr={lr / 10:g}']
