@@ -38,6 +38,15 @@ exactly and at once on a CPU, GPT-2's included (a test holds fake and real count
 autocast as on a GPU unless --dtype says otherwise. It reports each method's bytes per step, x
 prenorm's, the routing's extra per sublayer, and the operators that add the most over prenorm's.
 
+--decode=True times generation with the KV cache instead of training (GPT.generate's path): a prompt
+of half the config's block_size, then the other half one token at a time, the same tokens for every
+method. Per method: the prompt's prefill, the median new token's step, and the same token without the
+cache (the whole context run again, at a few positions), each x prenorm's; the cache's bytes per token
+(the same for every method: only attention looks across positions); the decode step's working memory
+(the most bytes of new tensors alive at once, beside the cache and the weights: what the routing keeps
+per token while it runs, as every method routes each token alone) and its operators.
+--count_ops=True with --decode=True counts one decode step's operators only (exact, no timing).
+
 --suite=gpu is the prepared run for a lent GPU (at most about 10 minutes; run_suite below):
 
     python bench.py --suite=gpu --suite_dir=$OUT         # on the GPU machine
@@ -61,7 +70,7 @@ from torch.utils._pytree import tree_leaves
 import configurator
 import kernels as kernels_module
 from kernels import resolve as resolve_kernels
-from model import COMPILE_MODES, COMPILE_SCOPES, GPT, GPTConfig
+from model import COMPILE_MODES, COMPILE_SCOPES, GPT, GPTConfig, KVCache
 from residuals import RESIDUALS
 
 CONFIGS = {
@@ -96,6 +105,7 @@ json_path = ''  # write the results here too
 isolate = True  # each method in its own process beside its own prenorm
 count_ops = False  # count the operators of one training step instead of timing (exact; see above)
 count_bytes = False  # count the bytes one training step moves instead of timing (exact; see above)
+decode = False  # time generation with the KV cache instead of training steps (see above)
 profile = False  # on CUDA, also the GPU's busy time per step (kernel time from the profiler, 2 more steps)
 suite = ''  # 'gpu': the prepared GPU run (see run_suite), written to suite_dir; with dry_run: the same on a CPU
 suite_dir = 'gpu_suite'
@@ -278,6 +288,10 @@ def main(argv):
           + ("counting operators" if cfg['count_ops'] else "counting bytes" if cfg['count_bytes'] else
              f"{cfg['warmup']} warm-up + {cfg['steps']} timed steps each, {torch.get_num_threads()} threads"))
 
+    if cfg['decode']:
+        results = decode_costs(names, shape, B, dev, ctx, backend, cfg)
+        report_decode(results, cfg, shape, B, dev, dtype_name, backend)
+        return results
     if cfg['count_ops']:
         results = [operator_counts(name, shape, B, x, y, dev, ctx, backend, cfg) for name in names]
         report_ops(results, cfg, shape, backend)
@@ -292,6 +306,116 @@ def main(argv):
         results = measure(cfg, names, shape, B, x, y, dev, ctx, backend)
     report(results, cfg, shape, B, dev, dtype_name)
     return results
+
+
+# ----------------------------------------------------------------------------- decoding
+
+class PeakMemory(TorchDispatchMode):
+    """The most bytes of tensors made while it is active that are alive at once, each storage once
+    (what existed before, the weights and a cache, is not counted)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.now, self.peak = {}, 0, 0  # storage address -> (bytes, weak refs of its tensors)
+
+    def __torch_dispatch__(self, op, types, args=(), kwargs=None):
+        out = op(*args, **(kwargs or {}))
+        for address, (size, refs) in list(self.live.items()):  # free what nothing holds any more
+            refs[:] = [r for r in refs if r() is not None]
+            if not refs:
+                del self.live[address]
+                self.now -= size
+        given = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out) if not is_view(op) else ():  # a view or an in-place write makes no memory
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given | {0}:
+                address, size = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+                if address not in self.live:
+                    self.live[address] = (size, [])
+                    self.now += size
+                self.live[address][1].append(weakref.ref(t))
+        self.peak = max(self.peak, self.now)
+        return out
+
+
+def decode_costs(names, shape, B, dev, ctx, backend, cfg, positions=8):
+    """Per method: the prompt's prefill, each new token's step with the cache and (at `positions`
+    positions) without it, in ms (medians over --steps rounds after --warmup, the methods taking turns);
+    the cache's bytes, and one decode step's working memory and operators."""
+    T = shape['block_size']
+    P, gen = T // 2, torch.Generator().manual_seed(cfg['seed'])
+    tokens = torch.randint(cfg['vocab_size'], (B, T), generator=gen).to(dev)  # prompt, then teacher-forced tokens
+    uncached_at = sorted(set(range(P, T, max(1, (T - P) // positions))))
+    sync = torch.cuda.synchronize if dev.type == 'cuda' else (lambda: None)
+
+    def timed(fn):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        return (time.perf_counter() - t0) * 1e3
+
+    runs = {}
+    for name in names:
+        torch.manual_seed(cfg['seed'])
+        model = GPT(GPTConfig(**shape, vocab_size=cfg['vocab_size'], residual=name)).to(dev).eval()
+        model.set_kernels(backend, cfg['mgr_fallback_p'])
+        runs[name] = dict(model=model, prefill=[], step=[], uncached=[])
+    with torch.no_grad(), ctx:
+        if not cfg['count_ops']:
+            for k in range(cfg['warmup'] + cfg['steps']):
+                for run in runs.values():  # taking turns, so that machine noise hits the methods alike
+                    model, cache, keep = run['model'], KVCache(run['model'].config), k >= cfg['warmup']
+                    prefill = timed(lambda: model(tokens[:, :P], cache=cache))
+                    steps = [timed(lambda: model(tokens[:, t:t + 1], cache=cache)) for t in range(P, T)]
+                    uncached = [timed(lambda: model(tokens[:, :t + 1])) for t in uncached_at]
+                    if keep:
+                        run['prefill'].append(prefill), run['step'].extend(steps), run['uncached'].extend(uncached)
+                    run['cache_bytes'] = cache.nbytes()
+                print(f"  round {k + 1}/{cfg['warmup'] + cfg['steps']} done", file=sys.stderr)
+        for run in runs.values():  # one decode step of the last token, watched
+            model, cache = run['model'], KVCache(run['model'].config)
+            model(tokens[:, :T - 1], cache=cache)
+            for mode in (OpCounter(), PeakMemory()):
+                length = cache.length
+                with mode:
+                    model(tokens[:, T - 1:], cache=cache)
+                cache.length = length
+                run['ops' if isinstance(mode, OpCounter) else 'memory'] = mode
+    results = []
+    for name, run in runs.items():
+        ops = run['ops']
+        r = dict(method=name, compute=sum(ops.compute.values()), views=ops.views, ops=ops.compute,
+                 step_bytes=run['memory'].peak / B)
+        if run['step']:
+            r.update(prefill_ms=statistics.median(run['prefill']), step_ms=statistics.median(run['step']),
+                     uncached_ms=statistics.median(run['uncached']),
+                     cache_bytes_per_token=run['cache_bytes'] / (B * T))
+        results.append(r)
+    return results
+
+
+def report_decode(results, cfg, shape, B, dev, dtype_name, backend):
+    """The decode table: each figure and its ratio to prenorm's (the first row)."""
+    base, T = results[0], shape['block_size']
+    timed = 'step_ms' in base
+    print(f"\ndecoding, kernels={backend}, {dtype_name}, batch {B}: a prompt of {T // 2} tokens, then "
+          f"{T - T // 2} tokens one at a time with the KV cache")
+    head = (f"{'prefill ms':>11} {'x':>5} {'token ms':>9} {'x':>5} {'no cache':>9} {'speedup':>8} {'cache KB/tok':>13} "
+            if timed else '')
+    print(f"{'method':<14} {head}{'step KB/seq':>12} {'x':>5} {'ops/token':>10} {'x':>5}")
+    for r in results:
+        cells = (f"{r['prefill_ms']:>11.2f} {r['prefill_ms'] / base['prefill_ms']:>5.2f} {r['step_ms']:>9.3f} "
+                 f"{r['step_ms'] / base['step_ms']:>5.2f} {r['uncached_ms']:>9.3f} {r['uncached_ms'] / r['step_ms']:>8.1f} "
+                 f"{r['cache_bytes_per_token'] / 1024:>13.2f} " if timed else '')
+        print(f"{r['method']:<14} {cells}{r['step_bytes'] / 1024:>12.1f} {r['step_bytes'] / base['step_bytes']:>5.2f} "
+              f"{r['compute']:>10} {r['compute'] / base['compute']:>5.2f}")
+    if timed:
+        print("prefill: the prompt in one forward; token: one new token with the cache (median); no cache: the same "
+              "token with its whole context run again; step KB/seq: the decode step's working memory per sequence")
+    if cfg['json_path']:
+        with open(cfg['json_path'], 'w') as f:
+            json.dump({'config': cfg, 'shape': shape, 'batch_size': B, 'device': str(dev), 'dtype': dtype_name,
+                       'kernels': backend, 'torch': torch.__version__, 'results': results}, f, indent=1)
 
 
 # The suite's benchmarks: (label, bench arguments, methods (None: all), seconds at most): every method

@@ -7,6 +7,7 @@ owns the loop over them, and kernels.py may run the same maths faster (`GPT.set_
 method shares these attention/MLP modules and their init, so comparing two methods changes the
 residual routing alone. Checkpoints are written and read here too.
 """
+import functools
 import inspect
 import math
 import os
@@ -115,7 +116,9 @@ class CausalSelfAttention(nn.Module):
         self.n_head = config.n_head
         self.dropout = config.dropout
 
-    def forward(self, h, h_k=None, h_v=None):
+    def forward(self, h, h_k=None, h_v=None, cache=None):
+        """cache: (KVCache, this layer's index) when decoding: the new positions' keys and values are
+        stored there, and the queries attend to every cached position before them too."""
         B, T, C = h.size()
         if h_k is None:  # one input: one projection of one normalised h
             q, k, v = self.c_attn(self.ln(h)).split(C, dim=2)
@@ -124,8 +127,17 @@ class CausalSelfAttention(nn.Module):
             q, k, v = (F.linear(norm(x), weight, bias) for norm, x, weight, bias in
                        zip((self.ln, self.ln_k, self.ln_v), (h, h_k, h_v), self.c_attn.weight.split(C), biases))
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
-                                           is_causal=True)
+        mask, causal = None, True
+        if cache is not None:
+            kv_cache, layer = cache
+            past = kv_cache.length
+            k, v = kv_cache.store(layer, k, v)
+            if past and T == 1:  # one new position: it sees every cached one
+                causal = False
+            elif past:  # several after cached ones: position past + t sees 0..past + t
+                mask, causal = torch.ones(T, past + T, dtype=torch.bool, device=q.device).tril(past), False
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
+                                           is_causal=causal)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -208,9 +220,13 @@ class GPT(nn.Module):
             n_params -= self.transformer.wpe.weight.numel()
         return n_params
 
-    def sublayers(self):
-        """The L = 2*n_layer sublayer modules, in order: attention, MLP, attention, MLP, ..."""
-        return [f for block in self.transformer.h for f in (block.attn, block.mlp)]
+    def sublayers(self, cache=None):
+        """The L = 2*n_layer sublayer modules, in order: attention, MLP, attention, MLP, ...; with a
+        KVCache, each attention bound to its layer's keys and values."""
+        if cache is None:
+            return [f for block in self.transformer.h for f in (block.attn, block.mlp)]
+        return [f for layer, block in enumerate(self.transformer.h)
+                for f in (functools.partial(block.attn, cache=(cache, layer)), block.mlp)]
 
     def compiled(self, scope='model', mode='default'):
         """torch.compile over a scope (COMPILE_SCOPES): 'model', the whole model as one graph, the
@@ -231,13 +247,19 @@ class GPT(nn.Module):
         for f in self.sublayers():
             f.compile(**options)
 
-    def forward(self, idx, targets=None):
+    def forward(self, idx, targets=None, cache=None):
+        """Logits (and the loss, given targets) for the tokens idx (B, T). With a KVCache (decoding),
+        idx holds the positions after the cached ones: every method routes per token, so only the
+        attention needs the earlier positions, and it reads their keys and values from the cache."""
         B, T = idx.size()
-        if T > self.config.block_size:
-            raise ValueError(f"sequence of length {T} is longer than block_size={self.config.block_size}")
-        pos = torch.arange(0, T, dtype=torch.long, device=idx.device)
+        past = 0 if cache is None else cache.length
+        if past + T > self.config.block_size:
+            raise ValueError(f"sequence of length {past + T} is longer than block_size={self.config.block_size}")
+        pos = torch.arange(past, past + T, dtype=torch.long, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
-        x = kernels.route(self.residual, x, self.sublayers(), self.kernels)  # residual(x, sublayers)
+        x = kernels.route(self.residual, x, self.sublayers(cache), self.kernels)  # residual(x, sublayers)
+        if cache is not None:
+            cache.length += T
         x = self.transformer.ln_f(x)
         if targets is not None:
             logits = self.lm_head(x)
@@ -263,7 +285,11 @@ class GPT(nn.Module):
     @classmethod
     def from_checkpoint(cls, ckpt, path='the checkpoint'):
         """The model a checkpoint (see load_checkpoint) holds."""
-        model = cls(GPTConfig(**ckpt['model_args']))
+        try:
+            config = GPTConfig(**ckpt['model_args'])
+        except (TypeError, ValueError) as e:  # a method or a knob this version does not have
+            raise CheckpointError(f"{path} holds a model this version of model.py cannot build: {e}")
+        model = cls(config)
         try:
             model.load_state_dict(ckpt['model'])
         except RuntimeError as e:
@@ -271,11 +297,31 @@ class GPT(nn.Module):
         return model
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
-        """Extend idx (B, T) by max_new_tokens sampled tokens, cropping the context to block_size."""
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None, kv_cache=True):
+        """Extend the prompts idx (B, T), T <= block_size, by max_new_tokens sampled tokens (top_k=1:
+        greedy). kv_cache=True runs the prompt once, then each new token alone, its attention reading the
+        earlier positions' keys and values from a KVCache; False runs the whole context for every token.
+        Both read the same context, so they give the same tokens: the tokens since the window's start.
+        When it has filled block_size, the window jumps to keep the last half: the positions are learned
+        and absolute, so the kept tokens run again at their new positions, one prefill every
+        block_size // 2 tokens (a window sliding one token a step would change every cached key)."""
+        T, window = idx.size(1), self.config.block_size
+        if not 1 <= T <= window:
+            raise ValueError(f"the prompt has {T} tokens; it must have 1 to block_size={window} "
+                             f"(keep its last {window})")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens}; generate at least 1 token")
+        cache = KVCache(self.config) if kv_cache else None
+        start = 0  # the window's first position in idx
         for _ in range(max_new_tokens):
-            idx_cond = idx if idx.size(1) <= self.config.block_size else idx[:, -self.config.block_size:]
-            logits, _ = self(idx_cond)
+            if idx.size(1) - start > window:
+                start = idx.size(1) - max(1, window // 2)
+                if cache is not None:
+                    cache.length = 0
+            if cache is None:
+                logits, _ = self(idx[:, start:])
+            else:  # the window's tokens that the cache has not seen: the prompt (or what a jump kept), or the last one
+                logits, _ = self(idx[:, start + cache.length:], cache=cache)
             logits = logits[:, -1, :] / temperature
             if top_k is not None:
                 v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
@@ -284,6 +330,35 @@ class GPT(nn.Module):
             idx_next = torch.multinomial(probs, num_samples=1, generator=generator)
             idx = torch.cat((idx, idx_next), dim=1)
         return idx
+
+
+class KVCache:
+    """The keys and values of every layer's attention for the `length` positions decoded so far, in
+    buffers of block_size positions made at the first store (in the dtype and on the device of the
+    keys: bfloat16 under autocast). GPT.forward advances length after each forward."""
+
+    def __init__(self, config):
+        self.n_layer, self.block_size = config.n_layer, config.block_size
+        self.keys = self.values = None
+        self.length = 0
+
+    def store(self, layer, k, v):
+        """Keep layer's keys and values (B, n_head, T, head_dim) of the positions length.. length+T-1;
+        return the layer's keys and values of every position so far."""
+        if self.keys is None:
+            B, H, _, D = k.shape
+            self.keys, self.values = (k.new_empty(self.n_layer, B, H, self.block_size, D) for _ in range(2))
+        elif k.shape[:2] != self.keys.shape[1:3] or k.dtype != self.keys.dtype:
+            raise ValueError(f"this cache holds {tuple(self.keys.shape[1:3])} (batch, heads) in {self.keys.dtype}, "
+                             f"not {tuple(k.shape[:2])} in {k.dtype}: one KVCache serves one batch of one model")
+        end = self.length + k.size(2)
+        self.keys[layer, :, :, self.length:end] = k
+        self.values[layer, :, :, self.length:end] = v
+        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+
+    def nbytes(self):
+        """The buffers' size (block_size positions of every layer's keys and values)."""
+        return 0 if self.keys is None else 2 * self.keys.numel() * self.keys.element_size()
 
 
 # ----------------------------------------------------------------------------- checkpoints
