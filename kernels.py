@@ -1090,7 +1090,12 @@ class HCStep(TorchStreamStep):
                 self.scale = torch.cat([c.width_scale.unsqueeze(1).expand(L, n + 1), c.depth_scale.unsqueeze(1)], 1)
                 # W^T (L, K, C): on a CPU, X W with W's few columns in rows is a 2-3x slower GEMM (likewise d W)
                 self.W_t = c.proj.mT.contiguous()
-                self.W_scaled_t = self.W_t * self.scale.unsqueeze(-1)
+
+    @functools.cached_property
+    def W_scaled_t(self):
+        """(W s)^T, the backward's, made at its first use: a forward without a backward (decoding) makes none."""
+        with torch.no_grad():
+            return self.W_t * self.scale.unsqueeze(-1)
 
     def __call__(self, H, i, saved=None):
         """h, H', post of sublayer i and (T,) (static HC: ()) for the streams H (N, n, C); the replay
@@ -1162,10 +1167,15 @@ class MHCStep(TorchStreamStep):
         with torch.no_grad():
             self.alpha = torch.cat([c.alpha[:, :1].expand(L, n), c.alpha[:, 1:2].expand(L, n),
                                     c.alpha[:, 2:].expand(L, n_perm)], 1)
-            # (W a)^T (L, K, n C): on a CPU, a GEMM with W^T's rows is 1.7x faster than with W's columns
             self.bias, self.W = c.bias.detach(), c.proj.detach()
-            self.W_scaled_t = (c.proj * self.alpha.unsqueeze(1)).mT.contiguous()
         self.perms, self.split = c.permutations.flatten(1), [n, n, n_perm]
+
+    @functools.cached_property
+    def W_scaled_t(self):
+        """(W a)^T (L, K, n C), the backward's, made at its first use: a forward without a backward
+        (decoding) makes none. On a CPU, a GEMM with W^T's rows is 1.7x faster than with W's columns."""
+        with torch.no_grad():
+            return (self.W * self.alpha.unsqueeze(1)).mT.contiguous()
 
     def logits(self, X, r, i):
         """x' W and a x' W + b of the flattened streams X (N, n C)."""

@@ -130,8 +130,8 @@ def test_a_checkpoint_of_a_method_this_version_lacks_is_one_line(tmp_path, data_
 # that removes them until these and docs/PERFORMANCE.md's decode table (test_docs.py) are updated.
 DECODE_OPERATORS = {
     'torch': {'prenorm': (72, 96), 'rezero': (72, 97), 'layerscale': (80, 97), 'attnres': (212, 209),
-              'block_attnres': (188, 193), 'delta_attnres': (201, 189), 'wav': (345, 252), 'hc': (158, 299),
-              'mhc_lite': (181, 264), 'mgr': (201, 202), 'denseformer': (87, 133), 'mudd': (141, 146)},
+              'block_attnres': (188, 193), 'delta_attnres': (201, 189), 'wav': (345, 252), 'hc': (157, 298),
+              'mhc_lite': (179, 262), 'mgr': (201, 202), 'denseformer': (87, 133), 'mudd': (141, 146)},
     'triton': {'prenorm': (72, 96), 'rezero': (72, 97), 'layerscale': (80, 97), 'attnres': (77, 97),
                'block_attnres': (81, 97), 'delta_attnres': (93, 98), 'wav': (87, 100), 'hc': (74, 114),
                'mhc_lite': (95, 133), 'mgr': (76, 99), 'denseformer': (87, 133), 'mudd': (141, 151)},
