@@ -337,23 +337,12 @@ class PeakMemory(TorchDispatchMode):
         return out
 
 
-def decode_costs(names, shape, B, dev, ctx, backend, cfg, positions=8):
-    """Per method: the prompt's prefill, each new token's step with the cache and (at `positions`
-    positions) without it, in ms (medians over --steps rounds after --warmup, the methods taking turns);
-    the cache's bytes, and one decode step's working memory and operators."""
-    T = shape['block_size']
-    P, gen = T // 2, torch.Generator().manual_seed(cfg['seed'])
+def decode_costs(names, shape, B, dev, ctx, backend, cfg):
+    """Per method: the prompt's prefill, a new token's step with the cache and without it, in ms
+    (medians; see time_decoding), the cache's bytes, and one decode step's working memory and
+    operators (with --count_ops, these alone)."""
+    T, gen = shape['block_size'], torch.Generator().manual_seed(cfg['seed'])
     tokens = torch.randint(cfg['vocab_size'], (B, T), generator=gen).to(dev)  # prompt, then teacher-forced tokens
-    uncached_at = sorted(set(range(P, T, max(1, (T - P) // positions))))
-    sync = torch.cuda.synchronize if dev.type == 'cuda' else (lambda: None)
-
-    def timed(fn):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        return (time.perf_counter() - t0) * 1e3
-
     runs = {}
     for name in names:
         torch.manual_seed(cfg['seed'])
@@ -362,36 +351,53 @@ def decode_costs(names, shape, B, dev, ctx, backend, cfg, positions=8):
         runs[name] = dict(model=model, prefill=[], step=[], uncached=[])
     with torch.no_grad(), ctx:
         if not cfg['count_ops']:
-            for k in range(cfg['warmup'] + cfg['steps']):
-                for run in runs.values():  # taking turns, so that machine noise hits the methods alike
-                    model, cache, keep = run['model'], KVCache(run['model'].config), k >= cfg['warmup']
-                    prefill = timed(lambda: model(tokens[:, :P], cache=cache))
-                    steps = [timed(lambda: model(tokens[:, t:t + 1], cache=cache)) for t in range(P, T)]
-                    uncached = [timed(lambda: model(tokens[:, :t + 1])) for t in uncached_at]
-                    if keep:
-                        run['prefill'].append(prefill), run['step'].extend(steps), run['uncached'].extend(uncached)
-                    run['cache_bytes'] = cache.nbytes()
-                print(f"  round {k + 1}/{cfg['warmup'] + cfg['steps']} done", file=sys.stderr)
+            time_decoding(runs, tokens, dev, cfg)
         for run in runs.values():  # one decode step of the last token, watched
             model, cache = run['model'], KVCache(run['model'].config)
             model(tokens[:, :T - 1], cache=cache)
-            for mode in (OpCounter(), PeakMemory()):
-                length = cache.length
+            for key, mode in (('ops', OpCounter()), ('memory', PeakMemory())):
                 with mode:
                     model(tokens[:, T - 1:], cache=cache)
-                cache.length = length
-                run['ops' if isinstance(mode, OpCounter) else 'memory'] = mode
+                cache.length, run[key] = T - 1, mode
     results = []
     for name, run in runs.items():
-        ops = run['ops']
-        r = dict(method=name, compute=sum(ops.compute.values()), views=ops.views, ops=ops.compute,
+        r = dict(method=name, compute=sum(run['ops'].compute.values()), views=run['ops'].views, ops=run['ops'].compute,
                  step_bytes=run['memory'].peak / B)
         if run['step']:
             r.update(prefill_ms=statistics.median(run['prefill']), step_ms=statistics.median(run['step']),
-                     uncached_ms=statistics.median(run['uncached']),
-                     cache_bytes_per_token=run['cache_bytes'] / (B * T))
+                     uncached_ms=statistics.median(run['uncached']), cache_bytes_per_token=run['cache_bytes'] / (B * T))
+            r['ratio'] = r['step_ms'] / statistics.median(runs[names[0]]['step'])  # as the suite's table reads it
         results.append(r)
     return results
+
+
+def time_decoding(runs, tokens, dev, cfg, positions=8):
+    """--warmup and --steps rounds of: every method's prefill of the first half of tokens, then its
+    steps over the second half with the cache, then (at `positions` of them) without it, in ms into
+    each run's lists; the methods take turns at every call, so that machine noise hits them alike."""
+    T = tokens.size(1)
+    P, sync = T // 2, torch.cuda.synchronize if dev.type == 'cuda' else (lambda: None)
+
+    def timed(fn):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        return (time.perf_counter() - t0) * 1e3
+    for k in range(cfg['warmup'] + cfg['steps']):
+        keep = k >= cfg['warmup']
+        caches = {name: KVCache(run['model'].config) for name, run in runs.items()}
+        for name, run in runs.items():
+            run['prefill'] += [timed(lambda: run['model'](tokens[:, :P], cache=caches[name]))] * keep
+        for t in range(P, T):
+            for name, run in runs.items():
+                run['step'] += [timed(lambda: run['model'](tokens[:, t:t + 1], cache=caches[name]))] * keep
+        for t in sorted(set(range(P, T, max(1, (T - P) // positions)))):
+            for run in runs.values():
+                run['uncached'] += [timed(lambda: run['model'](tokens[:, :t + 1]))] * keep
+        for name, run in runs.items():
+            run['cache_bytes'] = caches[name].nbytes()
+        print(f"  round {k + 1}/{cfg['warmup'] + cfg['steps']} done", file=sys.stderr)
 
 
 def report_decode(results, cfg, shape, B, dev, dtype_name, backend):
@@ -422,6 +428,7 @@ def report_decode(results, cfg, shape, B, dev, dtype_name, backend):
 # eager; Block AttnRes and WAV (the paper's pair) compiled, in torch.compile's default mode and with
 # CUDA graphs (compiling a whole GPT-2-sized model takes tens of seconds per method).
 SUITE_RUNS = [('eager', [], None, 120),
+              ('decode', ['--decode=True', '--steps=2'], None, 90),
               ('compiled', ['--compile=True', '--warmup=2'], 'block_attnres,wav', 160),
               ('reduce-overhead', ['--compile=True', '--compile_mode=reduce-overhead', '--warmup=3'],
                'block_attnres,wav', 160)]
@@ -432,8 +439,9 @@ def run_suite(cfg):
     """The prepared run for a lent GPU, about 10 minutes: (1) the kernels' tests on CUDA; (2) bench at
     GPT-2 small's shape (bfloat16) with the Triton kernels, every method eager, block_attnres and wav
     compiled (default mode, and reduce-overhead: CUDA graphs), each with the profiler's GPU-busy time
-    beside the wall time. Writes suite.json and suite.md (the table for docs/PERFORMANCE.md, with the
-    hardware and the versions) into suite_dir. Each part is a child process with a time limit; a part
+    beside the wall time; decoding with the KV cache, every method (a new token's time). Writes
+    suite.json and suite.md (the table for docs/PERFORMANCE.md, with the hardware and the versions)
+    into suite_dir. Each part is a child process with a time limit; a part
     that does not finish is written as such. dry_run: the tiny config on this machine (the kernels
     through Triton's interpreter), a few tests and methods, no compiling."""
     if cfg['suite'] != 'gpu':

@@ -69,14 +69,14 @@ def test_cached_logits_equal_the_full_forward(residual, backend):
 
 
 def test_a_cache_with_the_wrong_positions_would_be_seen():
-    """The equality above depends on the cached positions: the same cache advanced by one position
-    too many gives other logits (the test can fail)."""
+    """The equality above depends on the cached positions: a cache one position behind (the new
+    token takes the last prompt token's place) gives other logits (the test can fail)."""
     model = decoding_model('prenorm', 'reference', dtype=torch.float32)
     seq = torch.randint(27, (1, 8), generator=torch.Generator().manual_seed(2))
     cache = KVCache(model.config)
     with torch.no_grad():
         model(seq[:, :5], cache=cache)
-        cache.length += 1
+        cache.length -= 1
         got, _ = model(seq[:, 5:6], cache=cache)
         want, _ = model(seq[:, :6])
     assert (got - want).abs().max() > 1e-3

@@ -1,8 +1,8 @@
 """
 The documents and the layout against the code: the launch counts that docs/PERFORMANCE.md
-documents at 4 layers are the ones test_kernels.py pins (OPERATORS); docs/METHODS.md has a section
-for every registered method; the relative links of every page lead to files (and headings) that
-exist; nothing a user gets points outside the repository; residuals.py stands alone and the
+documents at 4 layers are the ones test_kernels.py and test_decode.py pin (OPERATORS,
+DECODE_OPERATORS); docs/METHODS.md has a section for every registered method; the relative links
+of every page lead to files (and headings) that exist; nothing a user gets points outside the repository; residuals.py stands alone and the
 project's imports have no circle; no function outside the Triton kernels is over 60 lines. No
 model runs here.
 """
@@ -13,11 +13,13 @@ import re
 import pytest
 
 from residuals import RESIDUALS
+from test_decode import DECODE_OPERATORS
 from test_kernels import OPERATORS
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 PERFORMANCE = os.path.join(ROOT, 'docs', 'PERFORMANCE.md')
 MARKER = '<!-- test_docs.py parses this table'  # the comment right above the 4-layer table
+DECODE_MARKER = '<!-- test_docs.py parses this decode table'  # ... and above the decode step's
 COUNTS = {('torch', 'compute'): 'torch compute', ('torch', 'views'): 'torch views',
           ('triton', 'compute'): 'triton compute', ('triton', 'views'): 'triton views'}
 SUBLAYERS = 8  # 4 layers, as in test_operators_per_training_step_are_pinned
@@ -31,10 +33,10 @@ def number(text):
     return float(text.replace(',', '').replace('*', '').replace('+', '').strip())
 
 
-def launch_table(text):
-    """{method: {column name: cell}} of the first markdown table after MARKER."""
-    start = text.find(MARKER)
-    assert start >= 0, f"docs/PERFORMANCE.md: no line starting {MARKER!r} above the 4-layer launch table"
+def launch_table(text, marker=MARKER):
+    """{method: {column name: cell}} of the first markdown table after the marker."""
+    start = text.find(marker)
+    assert start >= 0, f"docs/PERFORMANCE.md: no line starting {marker!r} above its launch table"
     lines = text[start:].splitlines()[1:]
     while lines and not lines[0].lstrip().startswith('|'):
         lines.pop(0)
@@ -114,6 +116,22 @@ def test_the_launch_check_names_the_method_and_both_numbers():
     problems = check_launch_table(changed, OPERATORS)
     assert f"wav: docs/PERFORMANCE.md says torch compute = {pinned + 1}, test_kernels.OPERATORS pins {pinned}" \
         in problems, problems
+
+
+def test_documented_decode_launches_are_the_pinned_ones():
+    """docs/PERFORMANCE.md's decode table (operators of one decode step at 4 layers) equals
+    DECODE_OPERATORS in test_decode.py, method by method."""
+    with open(PERFORMANCE, encoding='utf-8') as f:
+        table = launch_table(f.read(), DECODE_MARKER)
+    problems = [f"{m}: pinned in test_decode.DECODE_OPERATORS, not in the decode table" for m in
+                sorted(set(DECODE_OPERATORS['torch']) - set(table))]
+    for method in sorted(set(table) & set(DECODE_OPERATORS['torch'])):
+        for (backend, kind), column in COUNTS.items():
+            want = DECODE_OPERATORS[backend][method][0 if kind == 'compute' else 1]
+            if table[method][column].replace(',', '') != str(want):
+                problems.append(f"{method}: the decode table says {column} = {table[method][column]}, "
+                                f"test_decode.DECODE_OPERATORS pins {want}")
+    assert not problems, "docs/PERFORMANCE.md and test_decode.DECODE_OPERATORS disagree:\n" + '\n'.join(problems)
 
 
 def slug(heading):

@@ -398,7 +398,7 @@ def test_compile_says_that_it_compiles_and_passes_the_mode_through(tmp_path, dat
 @pytest.mark.skipif(kernels.triton is None, reason='triton is not installed (pip install triton; Linux)')
 def test_the_gpu_suite_runs_dry_on_a_cpu(tmp_path):
     """bench.py --suite=gpu, prepared for a lent GPU, runs the same steps tiny on a CPU: a few kernel
-    tests, the eager benchmark through the Triton interpreter, its JSON and markdown table; and it
+    tests, the eager and decode benchmarks through the Triton interpreter, its JSON and markdown table; and it
     refuses to start for real without a GPU."""
     import bench
     if not torch.cuda.is_available():
@@ -407,6 +407,7 @@ def test_the_gpu_suite_runs_dry_on_a_cpu(tmp_path):
     assert 'passed' in suite['tests'] and 'failed' not in suite['tests']
     assert suite['runs']['eager']['status'] == 'done' and suite['runs']['compiled']['status'].startswith('not run')
     assert [r['method'] for r in suite['runs']['eager']['results']] == ['prenorm', 'block_attnres', 'mgr']
+    assert suite['runs']['decode']['status'] == 'done' and suite['runs']['decode']['results'][2]['ratio'] > 0
     table = (tmp_path / 'suite.md').read_text()
     assert 'torch ' + torch.__version__ in table and '| mgr |' in table
     assert json.loads((tmp_path / 'suite.json').read_text())['config'] == 'tiny'
