@@ -11,19 +11,20 @@ For each checkpoint, on a fixed batch of its validation split (the model runs it
   WAV the total weight on detail sources per reader; DenseFormer: its DWA weights alpha (the
   paper's matrix: a row per average, a column per stored state); MUDDFormer: the mean dynamic
   weight of each layer's residual way on each state (every way's in the JSON, `dense_weights`);
-- streams (hc, mhc_lite, mgr): the mean pairwise angular distance between the streams each
+- streams (hc, the mHC family, mgr): the mean pairwise angular distance between the streams each
   sublayer reads (0 = identical directions, 1 = opposite);
-- composite gain (hc, mhc_lite): the product of the stream-mixing matrices of sublayers 0..l, per
-  token; its largest absolute row sum (forward gain) and column sum (backward gain), the worst token,
-  for every depth l (the mHC paper's measure: 1 for doubly stochastic mixing);
+- composite gain (hc, the mHC family: mhc, mhc_lite, kromhc; frac, over its fractions): the product of
+  the mixing matrices of sublayers 0..l, per token; its largest absolute row sum (forward gain) and column
+  sum (backward gain), the worst token, for every depth l (the mHC paper's measure: 1 for doubly
+  stochastic mixing);
 - gates (mgr): the mean gate beta of every stream at every gated sublayer;
 - pruning: the validation-loss increase when one transformer layer's updates are skipped (both of
   its sublayers return zero), for every layer.
 Plots need matplotlib (optional); without it only analysis.json is written.
 
 How it watches: each routing computation of residuals.py is a call of a small submodule (a
-DepthAttention read, HC's connections, mHC-lite's coefficients, MGR's AttnPool and gates), so a
-forward hook sees its inputs and outputs; a depth read's weights are recomputed from its inputs
+DepthAttention read, HC's and Frac's connections, the mHC family's coefficients, MGR's AttnPool and
+gates), picked by its class, so a forward hook sees its inputs and outputs; a depth read's weights are recomputed from its inputs
 with DepthAttention.weights. DenseFormer's DWA and MUDD's weight generator are submodules too.
 """
 import json
@@ -36,7 +37,8 @@ import torch
 import configurator
 import data
 from model import GPT, CheckpointError, load_checkpoint
-from residuals import DepthAttention, DepthWeightedAverage, DynamicDenseWeights
+from residuals import (DepthAttention, DepthWeightedAverage, DynamicDenseWeights, HCConnections, HyperConnections,
+                       ManifoldCoefficients, MultiGateResiduals, StreamGates)
 
 out_dir = 'out'  # one run folder, or several separated by commas
 ckpt_name = 'ckpt.pt'
@@ -72,19 +74,22 @@ def watch(model, rec):
 
     def on_read(module, args, kwargs, output):
         i, sources, *rest = args
-        if module is getattr(residual, 'pool', None):  # MGR's AttnPool reads the streams
-            if i < model.config.n_layer * 2:
-                rec['streams'].append(sources.detach())
-            return
         weights = module.weights(*args, **kwargs).mean(dim=(1, 2)).tolist()
         rec['reads'].append({'reader': i, 'weights': weights, 'details': len(kwargs.get('details', rest[0] if rest else ()))})
 
-    def on_connections(module, args, output):  # hc: [A_m | A_r], B; the streams H (B, T, n, C)
-        i, H = args
-        rec['streams'].append(H.detach().movedim(-2, 0))
-        rec['mixing'].append(output[0][..., 1:].transpose(-1, -2).detach().expand(*H.shape[:-2], -1, -1))
+    def on_pool(module, args, output):  # MGR's AttnPool reads the streams (n, B, T, C)
+        i, streams = args
+        if i < model.config.n_layer * 2:
+            rec['streams'].append(streams.detach())
 
-    def on_coefficients(module, args, output):  # mhc_lite: H_pre, H_post, H_res; the streams x
+    def on_connections(module, args, output):  # hc: [A_m | A_r], B, of the streams H (B, T, n, C); frac: [Gamma | A]
+        i, H = args
+        if isinstance(residual, HyperConnections):  # (a frac's rows are fractions, not streams)
+            rec['streams'].append(H.detach().movedim(-2, 0))
+        n = H.shape[-2]  # the mixing of the rows: A_r (hc), A (frac), the last n columns
+        rec['mixing'].append(output[0][..., -n:].transpose(-1, -2).detach().expand(*H.shape[:-2], -1, -1))
+
+    def on_coefficients(module, args, output):  # the mHC family: H_pre, H_post, H_res; the streams x
         i, x = args
         rec['streams'].append(x.detach().movedim(-2, 0))
         rec['mixing'].append(output[2].detach())
@@ -101,19 +106,15 @@ def watch(model, rec):
 
     for f in model.sublayers():
         hooks.append(f.register_forward_pre_hook(lambda module, args: rec['inputs'].append(args[0].detach())))
+    on_gates = lambda module, args, beta: rec['gates'].append(beta.detach())
+    watchers = [(DepthWeightedAverage, on_average), (DynamicDenseWeights, on_dense), (HCConnections, on_connections),
+                (ManifoldCoefficients, on_coefficients), (StreamGates, on_gates)]  # by the submodule's class
     for module in residual.modules():
-        if isinstance(module, DepthAttention):
-            hooks.append(module.register_forward_hook(on_read, with_kwargs=True))
-        if isinstance(module, DepthWeightedAverage):
-            hooks.append(module.register_forward_hook(on_average))
-        if isinstance(module, DynamicDenseWeights):
-            hooks.append(module.register_forward_hook(on_dense))
-    if hasattr(residual, 'connections'):
-        hooks.append(residual.connections.register_forward_hook(on_connections))
-    if hasattr(residual, 'coefficients'):
-        hooks.append(residual.coefficients.register_forward_hook(on_coefficients))
-    if hasattr(residual, 'gates'):
-        hooks.append(residual.gates.register_forward_hook(lambda m, args, beta: rec['gates'].append(beta.detach())))
+        if isinstance(module, DepthAttention):  # a depth read, or MGR's AttnPool
+            pooled = isinstance(residual, MultiGateResiduals) and module is residual.pool
+            hooks.append(module.register_forward_hook(on_pool) if pooled else
+                         module.register_forward_hook(on_read, with_kwargs=True))
+        hooks += [module.register_forward_hook(hook) for cls, hook in watchers if isinstance(module, cls)]
     return hooks
 
 

@@ -33,6 +33,26 @@ TEXT8 = SHARED_DATA / 'text8_head.txt'
 README = ROOT / 'README.md'
 REAL_TEXT = str(TEXT8) if TEXT8.is_file() else data.EMBEDDED  # fresh clone: the embedded corpus
 METHODS = sorted(RESIDUALS)
+# Every knob's values other than its default, by method (CONTRIBUTING: a new knob gets a line here, and
+# test_every_knob_has_values_to_test holds it): the tests parametrised over VARIANTS run each method at
+# its defaults and with these. The models they build have an even number of layers (denseformer_period).
+KNOB_VALUES = {
+    'layerscale': [dict(layerscale_init=0.5)],
+    'laurel_lr': [dict(laurel_rank=2)],
+    'block_attnres': [dict(res_block_size=2)],
+    'wav': [dict(res_block_size=2, wav_detail_bias=-1.0, wav_rho=1.0, wav_detail_readout=True, wav_levels=2,
+                 wav_learned_basis=True)],
+    'hc': [dict(hc_streams=2, hc_dynamic=False)],
+    'mhc': [dict(hc_streams=3)],
+    'mhc_lite': [dict(hc_streams=3)],
+    'kromhc': [dict(hc_streams=8)],
+    'frac': [dict(frac_parts=4, hc_dynamic=False)],
+    'mgr': [dict(mgr_streams=2, mgr_gate='independent', mgr_b_base=-2.0, mgr_L_base=10.0)],
+    'denseformer': [dict(denseformer_dilation=2, denseformer_period=2)],
+    'mudd': [dict(mudd_multiway=False, mudd_hidden=32)],
+}
+VARIANTS = [pytest.param(m, knobs, id='-'.join([m, *(f'{k}={v}' for k, v in knobs.items())]))
+            for m in METHODS for knobs in [{}, *KNOB_VALUES.get(m, [])]]  # (method, knobs), as test parameters
 
 TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=27)
 TINY_TRAIN = ['--n_layer=2', '--n_head=2', '--n_embd=32', '--block_size=32', '--batch_size=32',

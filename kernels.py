@@ -1156,19 +1156,21 @@ class HCStep(TorchStreamStep):
 
 
 class MHCStep(TorchStreamStep):
-    """mHC-lite with the alphas per column a = [a_pre .. a_post .. a_res ..] (2n + n!): logits
-    a x' W + b, x' = rms_norm of the flattened streams; H_res = softmax(logits_res) @ permutations.
-    Saves H_res, post and 1/RMS r (n^2 + n + 1 numbers a token); the backward takes the logits again."""
+    """The mHC family (mHC, KromHC; mHC-lite in MHCLiteStep) with the alphas per column
+    a = [a_pre .. a_post .. a_res ..] (K = 2n + H_res's logits): logits a x' W + b, x' = rms_norm of the
+    flattened streams; H_res = the coefficients' own mixing of its logits, its backward through autograd
+    on those few numbers a token (for mHC, back through its 20 iterations). Saves H_res, post and 1/RMS r
+    (n^2 + n + 1 numbers a token); the backward takes the logits again."""
 
     def __init__(self, coefficients):
         c = coefficients
         super().__init__([c.alpha, c.bias, c.proj])
-        L, n, n_perm = c.alpha.shape[0], c.n, c.permutations.shape[0]
+        (L, K), n = c.bias.shape, c.n
         with torch.no_grad():
             self.alpha = torch.cat([c.alpha[:, :1].expand(L, n), c.alpha[:, 1:2].expand(L, n),
-                                    c.alpha[:, 2:].expand(L, n_perm)], 1)
+                                    c.alpha[:, 2:].expand(L, K - 2 * n)], 1)
             self.bias, self.W = c.bias.detach(), c.proj.detach()
-        self.perms, self.split = c.permutations.flatten(1), [n, n, n_perm]
+        self.n, self.split, self.coefficients = n, [n, n, K - 2 * n], c
 
     @functools.cached_property
     def W_scaled_t(self):
@@ -1182,6 +1184,17 @@ class MHCStep(TorchStreamStep):
         P = torch.mm(X, self.W[i]) * r
         return P, torch.addcmul(self.bias[i], P, self.alpha[i])
 
+    def residual_mixing(self, logits):
+        """H_res (N, n, n) from its logits (N, K - 2n)."""
+        return self.coefficients.mixing(logits).to(logits.dtype)
+
+    def residual_backward(self, logits, grad):
+        """The gradient of H_res's logits from H_res's, grad (N, n n)."""
+        with torch.enable_grad():
+            logits = logits.detach().requires_grad_()
+            H_res = self.coefficients.mixing(logits)
+            return torch.autograd.grad(H_res, logits, grad.view(H_res.shape).to(H_res.dtype))[0]
+
     def __call__(self, H, i, saved=None):
         """h, H', post of sublayer i and (H_res, post, r) for the streams H (N, n, C); the replay
         gives these and only mixes."""
@@ -1191,7 +1204,7 @@ class MHCStep(TorchStreamStep):
         r = rms_inverse(X, keepdim=True)
         logits = self.logits(X, r, i)[1]
         gates = torch.sigmoid(logits[:, :2 * n])  # H_pre, H_post / 2
-        H_res = torch.mm(torch.softmax(logits[:, 2 * n:], -1), self.perms.to(logits.dtype)).view(N, n, n)
+        H_res = self.residual_mixing(logits[:, 2 * n:])
         post = 2 * gates[:, n:]
         return torch.bmm(gates[:, None, :n], H).view(N, C), torch.bmm(H_res, H), post, (H_res, post, r)
 
@@ -1199,13 +1212,12 @@ class MHCStep(TorchStreamStep):
         (H_res, _, r), (N, n, C) = saved, H.shape
         X = H.view(N, -1)
         P, logits = self.logits(X, r, i)
-        gates, w = torch.sigmoid(logits[:, :2 * n]), torch.softmax(logits[:, 2 * n:], -1)
+        gates = torch.sigmoid(logits[:, :2 * n])
         grad_H = torch.bmm(H_res.mT, grad_mixed).to(H.dtype)
         grad_H.addcmul_(gates[:, :n, None], grad_h.unsqueeze(1))  # h = H_pre H
         d_pre = torch.bmm(grad_h.unsqueeze(1), H.mT).view(N, n)  # (a row times H^T: on a CPU 9x faster than H g)
-        d_w = torch.mm(torch.bmm(grad_mixed, H.mT).view(N, -1), self.perms.t().to(grad_mixed.dtype))
-        d_logits = torch.cat([torch.ops.aten.sigmoid_backward(torch.cat([d_pre, 2 * grad_post], -1), gates),
-                              torch.ops.aten._softmax_backward_data(d_w.to(w.dtype), w, -1, w.dtype)], -1)
+        d_res = self.residual_backward(logits[:, 2 * n:], torch.bmm(grad_mixed, H.mT).view(N, -1))
+        d_logits = torch.cat([torch.ops.aten.sigmoid_backward(torch.cat([d_pre, 2 * grad_post], -1), gates), d_res], -1)
         # P = r (X W): d X = r (d_P W^T) - (r^2 / (n C)) (d_P . P) X, d W = X^T (r d_P), d_P = a d_logits (the a
         # in W_scaled_t and in take()); d_P . P from the per-column products d_logits P, which d a sums too
         dP_P = d_logits * P
@@ -1220,6 +1232,22 @@ class MHCStep(TorchStreamStep):
         d_bias, d_alpha, d_W = self.stacked_rows()
         d_alpha = torch.stack([part.sum(1) for part in d_alpha.split(self.split, 1)], 1)
         return [g.to(p.dtype) for g, p in zip([d_alpha, d_bias, d_W * self.alpha.unsqueeze(1)], self.params)]
+
+
+class MHCLiteStep(MHCStep):
+    """mHC-lite's H_res = softmax(logits_res) @ permutations, and its backward, by hand."""
+
+    def __init__(self, coefficients):
+        super().__init__(coefficients)
+        self.perms = coefficients.permutations.flatten(1)
+
+    def residual_mixing(self, logits):
+        return torch.mm(torch.softmax(logits, -1), self.perms.to(logits.dtype)).view(-1, self.n, self.n)
+
+    def residual_backward(self, logits, grad):
+        w = torch.softmax(logits, -1)
+        d_w = torch.mm(grad, self.perms.t().to(grad.dtype))
+        return torch.ops.aten._softmax_backward_data(d_w.to(w.dtype), w, -1, w.dtype)
 
 
 class TorchStreamMix(torch.autograd.Function):
@@ -1297,7 +1325,9 @@ def streams(coefficients, module, x, sublayers, backend):
     if torch.compiler.is_compiling():
         return compiled_streams(module, connections, H, sublayers)
     length = max(1, round(math.sqrt(len(sublayers))))
-    plan = triton_stream_plan if backend == 'triton' else torch_stream_plan
+    # mHC's and KromHC's H_res have no Triton kernel: there the triton backend runs the PyTorch twin
+    triton_ok = isinstance(connections, (residuals.HCConnections, residuals.PermutationMixing))
+    plan = triton_stream_plan if backend == 'triton' and triton_ok else torch_stream_plan
     state, mix, join, step, last = plan(coefficients, connections, H, len(sublayers))
     for i, f in enumerate(sublayers):
         if i % length == 0:
@@ -1312,7 +1342,10 @@ def streams(coefficients, module, x, sublayers, backend):
 def torch_stream_plan(coefficients, connections, H, L):
     """The PyTorch twin's streams H, its step (mix), the update (join, by Advance), the replay's
     step and the last streams (last)."""
-    torch_step = MHCStep(connections) if coefficients == 'coefficients' else HCStep(connections)
+    if isinstance(connections, residuals.HCConnections):
+        torch_step = HCStep(connections)
+    else:
+        torch_step = (MHCLiteStep if isinstance(connections, residuals.PermutationMixing) else MHCStep)(connections)
     mix = lambda H, i, segment: TorchStreamMix.apply(H, segment, torch_step, *torch_step.params)
     join = lambda mixed, post, u, segment: Advance.apply(mixed, post, u, 'torch',
                                                         torch_step.post_again(*segment.connections[-1]))
@@ -1343,7 +1376,7 @@ def compiled_streams(module, connections, H, sublayers):
     multiply-adds (inductor fuses them with the update into one loop; A^T H would stay a batched
     GEMM of tiny per-token matrices). The compiler plans the memory."""
     for i, f in enumerate(sublayers):
-        if hasattr(connections, 'permutations'):  # mHC-lite: A = [H_pre | H_res^T] (n, n+1), post = H_post
+        if isinstance(connections, residuals.ManifoldCoefficients):  # the mHC family: A = [H_pre | H_res^T], post = H_post
             h_pre, post, h_res = connections(i, H)
             A = torch.cat([h_pre.unsqueeze(-1), h_res.transpose(-1, -2)], -1)
         else:  # HC: A = [A_m | A_r], post = B
@@ -2018,7 +2051,7 @@ def triton_stream_params(connections):
     """The kind of step and the stacked parameters (L, ...) the kernels read sublayer i's rows of: HC
     [width, depth, s_a, s_b] (static: [width, depth]), mHC-lite [alpha, bias, the permutations as
     stream indices]."""
-    if hasattr(connections, 'permutations'):
+    if isinstance(connections, residuals.PermutationMixing):
         return MHC, [connections.alpha, connections.bias, connections.permutations.argmax(-1).to(torch.int32)]
     if connections.dynamic:
         return HC, [connections.width, connections.depth, connections.width_scale, connections.depth_scale]
@@ -2667,5 +2700,6 @@ def _(weights, states, grad_ways, grads):
 # the fast twins, by the class of residuals.py whose maths each computes (route looks up the exact class)
 FAST = {residuals.AttnRes: attnres, residuals.BlockAttnRes: block_attnres, residuals.DeltaAttnRes: delta_attnres,
         residuals.WAV: wav, residuals.HyperConnections: functools.partial(streams, 'connections'),
-        residuals.MHCLite: functools.partial(streams, 'coefficients'), residuals.MultiGateResiduals: mgr,
+        residuals.MHC: functools.partial(streams, 'coefficients'), residuals.MHCLite: functools.partial(streams, 'coefficients'),
+        residuals.KromHC: functools.partial(streams, 'coefficients'), residuals.MultiGateResiduals: mgr,
         residuals.DenseFormer: denseformer, residuals.MUDDFormer: mudd}

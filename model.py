@@ -44,8 +44,10 @@ class GPTConfig:
     wav_detail_readout: bool = False  # True: the output mixer reads the detail sources too
     wav_levels: int = 1  # Haar levels of detail bases (beyond the paper); 1 = the paper's split basis
     wav_learned_basis: bool = False  # learnable zero-sum detail coefficients (beyond the paper)
-    hc_streams: int = 4  # streams of hc and mhc_lite
-    hc_dynamic: bool = True  # hc: input-dependent connections on top of the static ones
+    hc_streams: int = 4  # streams of hc, mhc, mhc_lite and kromhc
+    hc_dynamic: bool = True  # hc and frac: input-dependent connections on top of the static ones
+    frac_parts: int = 2  # frac: the fractions m the channels are split into (n_embd must be a multiple)
+    laurel_rank: int = 16  # laurel_lr: the rank r of the learned map B A
     mgr_streams: int = 4
     mgr_gate: str = 'competitive'  # or 'independent'
     mgr_b_base: float = -3.0  # gate bias of the reference depth, see mgr_L_base
@@ -59,7 +61,7 @@ class GPTConfig:
         if self.residual not in RESIDUALS:
             raise ValueError(f"unknown residual {self.residual!r}; choose one of: {', '.join(RESIDUALS)}")
         for name in ('block_size', 'vocab_size', 'n_layer', 'n_head', 'n_embd', 'hc_streams', 'mgr_streams',
-                     'wav_levels', 'denseformer_dilation', 'denseformer_period'):
+                     'wav_levels', 'denseformer_dilation', 'denseformer_period', 'frac_parts', 'laurel_rank'):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.n_embd % self.n_head:
@@ -78,6 +80,13 @@ class GPTConfig:
             raise ValueError(f"mgr_gate={self.mgr_gate!r}; choose independent or competitive")
         if self.residual == 'denseformer' and self.n_layer % self.denseformer_period:
             raise ValueError(f"denseformer_period={self.denseformer_period} must divide n_layer={self.n_layer}")
+        if self.residual == 'kromhc' and self.hc_streams & (self.hc_streams - 1):
+            raise ValueError(f"kromhc builds H_res from 2 x 2 factors: hc_streams={self.hc_streams} must be a "
+                             f"power of 2 (1, 2, 4, 8, ...)")
+        if self.residual == 'frac' and self.n_embd % self.frac_parts:
+            raise ValueError(f"frac_parts={self.frac_parts} must divide n_embd={self.n_embd}")
+        if self.residual == 'laurel_lr' and self.laurel_rank > self.n_embd:
+            raise ValueError(f"laurel_rank={self.laurel_rank} must be at most n_embd={self.n_embd}")
         if self.mudd_hidden < 0:
             raise ValueError(f"mudd_hidden must be >= 0 (0 = the official rule), got {self.mudd_hidden}")
 

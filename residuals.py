@@ -4,8 +4,9 @@ Residual routing methods: the maths, one class each (docs/METHODS.md is the cont
 Interface: `Cls(config)` is an nn.Module whose `forward(x, sublayers)` takes the embedding output
 x = e (B, T, C) and the L = 2*n_layer sublayers in order (attention, MLP, attention, ...), runs them,
 and returns the (B, T, C) tensor that goes into the final norm. The class attribute `sublayer_norm`
-says whether the sublayers keep their own pre-norm. Everything works per token, so causality is the
-attention's alone.
+says whether the sublayers keep their own pre-norm, and `equals_at_init` names the registered method whose
+logits it gives at init with the same shared weights (None: none does), which the tests check. Everything
+works per token, so causality is the attention's alone.
 
 This file is the reference: plain autograd, each forward written as its paper writes the equations
 (`--kernels=reference` runs exactly this). kernels.py computes the same maths faster, and the tests
@@ -33,6 +34,7 @@ MATCH_EPS = 1e-6  # WAV's RMS matching: RMS(C) / (RMS(D) + eps), here and in ker
 class PreNorm(nn.Module):
     """x <- x + f_i(x): the standard pre-norm residual (GPT-2, nanoGPT)."""
     sublayer_norm = True
+    equals_at_init = 'prenorm'
 
     def __init__(self, config):
         super().__init__()
@@ -46,6 +48,7 @@ class PreNorm(nn.Module):
 class ReZero(nn.Module):
     """x <- x + a_i f_i(x), a_i init 0, no pre-norm (Bachlechner et al. 2020, arXiv 2003.04887)."""
     sublayer_norm = False
+    equals_at_init = None  # the embedding alone: every a_i is 0
 
     def __init__(self, config):
         super().__init__()
@@ -61,6 +64,7 @@ class ReZero(nn.Module):
 class LayerScale(nn.Module):
     """x <- x + diag(lambda_i) f_i(x), lambda_i init eps (Touvron et al. 2021, CaiT, arXiv 2103.17239)."""
     sublayer_norm = True
+    equals_at_init = None  # prenorm with every update scaled by eps
 
     def __init__(self, config):
         super().__init__()
@@ -75,6 +79,41 @@ class LayerScale(nn.Module):
     def forward(self, x, sublayers):
         for scale, f in zip(self.scale, sublayers):
             x = x + scale * f(x)
+        return x
+
+
+class LaurelRW(nn.Module):
+    """LAuReL-RW: x <- alpha_i f_i(x) + beta_i x, learned scalar weights of the update and of the residual,
+    1 at init (Menghani, Kumar, Kumar, arXiv 2411.07501)."""
+    sublayer_norm = True
+    equals_at_init = 'prenorm'
+
+    def __init__(self, config):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.ones(2 * config.n_layer))
+        self.beta = nn.Parameter(torch.ones(2 * config.n_layer))
+
+    def forward(self, x, sublayers):
+        for alpha, beta, f in zip(self.alpha, self.beta, sublayers):
+            x = alpha * f(x) + beta * x
+        return x
+
+
+class LaurelLR(nn.Module):
+    """LAuReL-LR: x <- f_i(x) + x + B_i A_i x, a learned rank-r map added to the residual, A_i (r, C),
+    B_i (C, r), B_i = 0 at init (Menghani, Kumar, Kumar, arXiv 2411.07501; its rank-64 form is Gemma 3n's)."""
+    sublayer_norm = True
+    equals_at_init = 'prenorm'
+
+    def __init__(self, config):
+        super().__init__()
+        L, r, C = 2 * config.n_layer, config.laurel_rank, config.n_embd
+        self.down = nn.Parameter(torch.randn(L, r, C) * C ** -0.5)  # A: our choice, unit gain on a unit-RMS x
+        self.up = nn.Parameter(torch.zeros(L, C, r))  # B
+
+    def forward(self, x, sublayers):
+        for A, B, f in zip(self.down, self.up, sublayers):
+            x = f(x) + x + (x @ A.t()) @ B.t()
         return x
 
 
@@ -123,6 +162,7 @@ class AttnRes(nn.Module):
     """Full AttnRes: h_i = sum_s alpha_{s->i} v_s over V = {e, u_0..u_{i-1}}, and the output mixer
     over {e, u_0..u_{L-1}} (Kimi Team, arXiv 2603.15031)."""
     sublayer_norm = True
+    equals_at_init = None  # every read the average of its sources
 
     def __init__(self, config):
         super().__init__()
@@ -139,6 +179,7 @@ class BlockAttnRes(nn.Module):
     """Block AttnRes: sublayer i reads {e, C_0..C_{n-1}, PC}, the sums C_n of the finished blocks of
     res_block_size layers and the running partial sum PC of its own block (Kimi Team, arXiv 2603.15031)."""
     sublayer_norm = True
+    equals_at_init = None  # every read the average of its sources
 
     def __init__(self, config):
         super().__init__()
@@ -161,6 +202,7 @@ class DeltaAttnRes(nn.Module):
     h_i = x_i + sigmoid(c_i) sum_s alpha_{s->i} v_s, V = {e, u_0..u_{i-1}} (arXiv 2605.18855).
     The output is the PreNorm stream x_L (the output query is unused; our reading)."""
     sublayer_norm = True
+    equals_at_init = None  # prenorm plus sigmoid(-2) times an average of the deltas
 
     def __init__(self, config):
         super().__init__()
@@ -203,6 +245,7 @@ class WAV(BlockAttnRes):
     """WAV v1: Block AttnRes whose blocks also offer zero-sum detail bases of their updates, phase and
     split, with a negative learnable detail bias, detached RMS matching and a conservative readout
     (seed documents 000/001). Beyond the paper: Haar levels (wav_levels) and learned bases."""
+    equals_at_init = None  # Block AttnRes's reads, each detail source at weight e^-2 beside every other source
 
     def __init__(self, config):
         super().__init__(config)
@@ -266,29 +309,28 @@ def copies(x, n):
 
 
 class HCConnections(nn.Module):
-    """The connections of every HC sublayer i: width [A_m | A_r] (n, n+1) and depth B (n,), static, plus
-    (dynamic) s_a tanh(Hn W_a) and s_b tanh(Hn W_b) of the RMS-normalised streams Hn, per token."""
+    """The connections of every sublayer i of HC (and of Frac-Connections) over the rows of a state H (n, d):
+    width W (n, k) and depth B (n,), static, plus (dynamic) s_a tanh(Hn W_a) and s_b tanh(Hn W_b) of the
+    RMS-normalised rows Hn, per token. HC: n streams of C channels, W = [A_m | A_r] (n, n+1); Frac-Connections:
+    m fractions of C/m channels, W = [Gamma | A] (m, 2m). width: W's static start (L, n, k); B = 1."""
 
-    def __init__(self, config):
+    def __init__(self, config, width, channels):
         super().__init__()
-        n, L, C = config.hc_streams, 2 * config.n_layer, config.n_embd
-        width = torch.zeros(L, n, n + 1)  # rows = streams
-        width[torch.arange(L), torch.arange(L) % n, 0] = 1.0  # A_m = e_{i mod n}
-        width[:, :, 1:] = torch.eye(n)  # A_r = I
-        self.width = nn.Parameter(width)
+        L, n, k = width.shape
+        self.width = nn.Parameter(width)  # rows = the state's rows
         self.depth = nn.Parameter(torch.ones(L, n))  # B = 1
         self.dynamic = config.hc_dynamic
         if self.dynamic:
-            self.proj = nn.Parameter(torch.zeros(L, C, n + 2))  # [W_a | W_b]
+            self.proj = nn.Parameter(torch.zeros(L, channels, k + 1))  # [W_a | W_b]
             self.width_scale = nn.Parameter(torch.full((L,), 0.01))  # s_a
             self.depth_scale = nn.Parameter(torch.full((L,), 0.01))  # s_b
 
     def forward(self, i, H):
-        """[A_m | A_r] (n, n+1) and B (n,) of sublayer i, per token (B, T, n, n+1) and (B, T, n) when
-        dynamic, for the streams H (B, T, n, C)."""
+        """W (n, k) and B (n,) of sublayer i, per token (B, T, n, k) and (B, T, n) when dynamic, for the
+        state H (B, T, n, d)."""
         width, depth = self.width[i], self.depth[i]
         if self.dynamic:
-            projected = rms_norm(H) @ self.proj[i]  # Hn [W_a | W_b] (B, T, n, n+2)
+            projected = rms_norm(H) @ self.proj[i]  # Hn [W_a | W_b] (B, T, n, k+1)
             width = width + self.width_scale[i] * torch.tanh(projected[..., :-1])
             depth = depth + self.depth_scale[i] * torch.tanh(projected[..., -1])
         return width, depth
@@ -300,11 +342,16 @@ class HyperConnections(nn.Module):
     (Zhu et al., arXiv 2409.19606). Readout: the mean of the streams (the paper sums them; the final
     norm removes the factor n up to its eps, and the mean makes HC at init equal PreNorm exactly)."""
     sublayer_norm = True
+    equals_at_init = 'prenorm'  # every stream is the PreNorm stream, and so is their mean
 
     def __init__(self, config):
         super().__init__()
-        self.n = config.hc_streams
-        self.connections = HCConnections(config)
+        n, L = config.hc_streams, 2 * config.n_layer
+        width = torch.zeros(L, n, n + 1)  # rows = streams
+        width[torch.arange(L), torch.arange(L) % n, 0] = 1.0  # A_m = e_{i mod n}
+        width[:, :, 1:] = torch.eye(n)  # A_r = I
+        self.n = n
+        self.connections = HCConnections(config, width, config.n_embd)
 
     def mix(self, i, H):
         """Sublayer i's input h = A_m^T H, the mixed streams H' = A_r^T H, and B."""
@@ -323,50 +370,119 @@ class HyperConnections(nn.Module):
         return self.readout(H)
 
 
-class MHCCoefficients(nn.Module):
-    """mHC-lite's H_pre, H_post and H_res of every sublayer, from x' = RMSNorm of the flattened streams;
-    H_res is an exact convex mix of all n! permutation matrices, so doubly stochastic without Sinkhorn."""
+class ManifoldCoefficients(nn.Module):
+    """The mHC family's H_pre, H_post and H_res of every sublayer, per token, from x' = RMSNorm of the
+    flattened streams (mHC, arXiv 2512.24880, eq. 7-8):
 
-    def __init__(self, config):
+        H_pre = sigmoid(a_pre x' W_pre + b_pre)      H_post = 2 sigmoid(a_post x' W_post + b_post)
+        H_res = mixing(a_res x' W_res + b_res)       doubly stochastic: each subclass's own mixing
+
+    W = 0 and a = 0.01; b_pre, b_post: +1 on stream i mod n, -1 elsewhere; b_res (res_bias, the
+    subclass's) starts H_res at or next to the identity."""
+
+    def __init__(self, config, res_bias):
         super().__init__()
         n, L, C = config.hc_streams, 2 * config.n_layer, config.n_embd
-        if n > 6:
-            raise ValueError(f"mhc_lite sums over all n! permutation matrices: hc_streams={n} would need "
-                             f"{math.factorial(n)}; use hc_streams <= 6")
-        self.n = n
-        perms = torch.tensor(list(itertools.permutations(range(n))))  # the identity comes first
-        self.register_buffer('permutations', torch.eye(n)[perms], persistent=False)  # (n!, n, n)
-        self.proj = nn.Parameter(torch.zeros(L, n * C, 2 * n + len(perms)))  # [W_pre | W_post | W_res]
+        self.n, K = n, 2 * n + len(res_bias)
+        self.proj = nn.Parameter(torch.zeros(L, n * C, K))  # [W_pre | W_post | W_res]
         self.alpha = nn.Parameter(torch.full((L, 3), 0.01))  # a_pre, a_post, a_res
-        bias = torch.full((L, 2 * n + len(perms)), -1.0)
+        bias = torch.full((L, K), -1.0)
         bias[torch.arange(L), torch.arange(L) % n] = 1.0  # b_pre: +1 on stream i mod n
         bias[torch.arange(L), n + torch.arange(L) % n] = 1.0  # b_post likewise
-        bias[:, 2 * n] = 0.0  # b_res: 0 for the identity permutation ...
-        bias[:, 2 * n + 1:] = -8.0  # ... -8 for the others
+        bias[:, 2 * n:] = torch.tensor(res_bias)
         self.bias = nn.Parameter(bias)
+
+    def mixing(self, logits):
+        """H_res (..., n, n) from its logits (..., K - 2n)."""
+        raise NotImplementedError
 
     def forward(self, i, x):
         """H_pre (B, T, n), H_post (B, T, n), H_res (B, T, n, n) of sublayer i for streams x (B, T, n, C)."""
         n = self.n
-        flat = rms_norm(x.flatten(-2)) @ self.proj[i]  # x' [W_pre | W_post | W_res] (B, T, 2n + n!)
+        flat = rms_norm(x.flatten(-2)) @ self.proj[i]  # x' [W_pre | W_post | W_res] (B, T, K)
         a_pre, a_post, a_res = self.alpha[i]
         b = self.bias[i]
         h_pre = torch.sigmoid(a_pre * flat[..., :n] + b[:n])
         h_post = 2 * torch.sigmoid(a_post * flat[..., n:2 * n] + b[n:2 * n])
-        perm_weights = torch.softmax(a_res * flat[..., 2 * n:] + b[2 * n:], dim=-1)
-        h_res = torch.einsum('btp,pkj->btkj', perm_weights, self.permutations.to(perm_weights.dtype))
-        return h_pre, h_post, h_res
+        return h_pre, h_post, self.mixing(a_res * flat[..., 2 * n:] + b[2 * n:])
 
 
-class MHCLite(nn.Module):
-    """mHC-lite: x <- H_res x + H_post^T f(H_pre x) over n streams, H_res doubly stochastic
-    (arXiv 2601.05732, after mHC, arXiv 2512.24880). Readout: the sum of the streams."""
+class SinkhornMixing(ManifoldCoefficients):
+    """mHC's H_res: M = exp(logits) (n x n) scaled by Sinkhorn-Knopp's alternate normalisations of the
+    columns and the rows, M <- T_r(T_c(M)), ITERATIONS times (the paper's t_max = 20): rows sum to 1
+    exactly, columns to within the iterations' convergence. In the log domain (log M, which cannot
+    overflow), in float32 under half precision; the backward differentiates through every iteration.
+    b_res: 0 on the diagonal, -8 off it."""
+    ITERATIONS = 20
+
+    def __init__(self, config):
+        n = config.hc_streams
+        super().__init__(config, [0.0 if row == col else -8.0 for row in range(n) for col in range(n)])
+
+    def mixing(self, logits):
+        log_m = upcast(logits).unflatten(-1, (self.n, self.n))  # log M(0) = logits
+        for _ in range(self.ITERATIONS):
+            log_m = log_m - log_m.logsumexp(dim=-2, keepdim=True)  # T_c: every column sums to 1
+            log_m = log_m - log_m.logsumexp(dim=-1, keepdim=True)  # T_r: every row sums to 1
+        return log_m.exp()
+
+
+class PermutationMixing(ManifoldCoefficients):
+    """mHC-lite's H_res: an exact convex mix of all n! permutation matrices P_p, sum_p softmax(logits)_p P_p
+    (arXiv 2601.05732): doubly stochastic with no iterations. b_res: 0 for the identity, -8 for the others."""
+
+    def __init__(self, config):
+        n = config.hc_streams
+        if n > 6:
+            raise ValueError(f"mhc_lite sums over all n! permutation matrices: hc_streams={n} would need "
+                             f"{math.factorial(n)}; use hc_streams <= 6")
+        perms = torch.tensor(list(itertools.permutations(range(n))))  # the identity comes first
+        super().__init__(config, [0.0] + [-8.0] * (len(perms) - 1))
+        self.register_buffer('permutations', torch.eye(n)[perms], persistent=False)  # (n!, n, n)
+
+    def mixing(self, logits):
+        weights = torch.softmax(logits, dim=-1)
+        return (weights @ self.permutations.flatten(1).to(weights.dtype)).unflatten(-1, (self.n, self.n))
+
+
+class KroneckerMixing(ManifoldCoefficients):
+    """KromHC's H_res for n = 2^K streams: U_1 (x) U_2 (x) ... (x) U_K, each factor U_k = w_k0 I + w_k1 S (I and
+    the swap S of 2 x 2), w_k = softmax of its two logits (arXiv 2601.21579). A Kronecker product of
+    doubly stochastic matrices is doubly stochastic, exactly, from 2K logits (mHC-lite: n!). b_res: 0 for
+    each factor's identity, -8 for its swap."""
+
+    def __init__(self, config):
+        n = config.hc_streams
+        if n & (n - 1):
+            raise ValueError(f"kromhc builds H_res from 2 x 2 factors: hc_streams={n} must be a power of 2 "
+                             f"(1, 2, 4, 8, ...)")
+        self.factors = n.bit_length() - 1
+        super().__init__(config, [0.0, -8.0] * self.factors)
+        self.register_buffer('identity_and_swap', torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.0, 1.0, 1.0, 0.0]]),
+                             persistent=False)
+
+    def mixing(self, logits):
+        weights = logits.unflatten(-1, (self.factors, 2)).softmax(dim=-1)
+        factors = (weights @ self.identity_and_swap.to(weights.dtype)).unflatten(-1, (2, 2))  # (..., K, 2, 2)
+        H = weights.new_ones(*weights.shape[:-2], 1, 1)
+        for k in range(self.factors):  # H (x) U_k: entry (a, b) of H times U_k, as blocks
+            U = factors[..., k, :, :]
+            H = (H[..., :, None, :, None] * U[..., None, :, None, :]).flatten(-4, -3).flatten(-2, -1)
+        return H
+
+
+class MHC(nn.Module):
+    """mHC: x <- H_res x + H_post^T f(H_pre x) over n streams, H_res projected onto the doubly stochastic
+    matrices by Sinkhorn-Knopp (Xie et al., DeepSeek, arXiv 2512.24880). Readout: the sum of the streams.
+    Its variants change H_res alone (Coefficients)."""
     sublayer_norm = True
+    equals_at_init = None  # H_pre = 0.73 on one stream and 0.27 on the others mixes the streams at once
+    Coefficients = SinkhornMixing
 
     def __init__(self, config):
         super().__init__()
         self.n = config.hc_streams
-        self.coefficients = MHCCoefficients(config)
+        self.coefficients = self.Coefficients(config)
 
     def mix(self, i, x):
         """Sublayer i's input H_pre x, the mixed streams H_res x, and H_post."""
@@ -382,6 +498,45 @@ class MHCLite(nn.Module):
             h, mixed, h_post = self.mix(i, x)
             x = mixed + h_post.unsqueeze(-1) * f(h).unsqueeze(-2)  # x <- H_res x + H_post^T f(H_pre x)
         return self.readout(x)
+
+
+class MHCLite(MHC):
+    """mHC-lite: mHC with H_res an exact convex mix of the n! permutation matrices, no Sinkhorn
+    (Yang, Gao, arXiv 2601.05732)."""
+    Coefficients = PermutationMixing
+
+
+class KromHC(MHC):
+    """KromHC: mHC with H_res a Kronecker product of 2 x 2 doubly stochastic factors (Zhou, Gu, Iacovides,
+    Mandic, arXiv 2601.21579)."""
+    Coefficients = KroneckerMixing
+
+
+class FracConnections(nn.Module):
+    """Frac-Connections: HC over m fractions of the state instead of n copies of it. The state H (m, C/m) is
+    the C channels split in m; per sublayer the sublayer reads the fractions mixed by Gamma, the fractions
+    are mixed by A, and each fraction of the output is added to its own fraction with weight beta:
+
+        H <- A^T H + diag(beta) split(f(join(Gamma^T H)))     [Gamma | A], beta: HCConnections
+
+    (Zhu et al., arXiv 2503.14125). Gamma = A = I and beta = 1 at init: prenorm exactly. Readout: H joined."""
+    sublayer_norm = True
+    equals_at_init = 'prenorm'
+
+    def __init__(self, config):
+        super().__init__()
+        m, L = config.frac_parts, 2 * config.n_layer
+        self.m = m
+        self.connections = HCConnections(config, torch.eye(m).repeat(L, 1, 2), config.n_embd // m)  # [I | I]
+
+    def forward(self, x, sublayers):
+        H = x.unflatten(-1, (self.m, -1))  # the m fractions (B, T, m, C/m), a view of x
+        for i, f in enumerate(sublayers):
+            width, beta = self.connections(i, H)
+            mixed = width.transpose(-1, -2) @ H  # rows 0..m-1: Gamma^T H, rows m..2m-1: A^T H
+            update = f(mixed[..., :self.m, :].flatten(-2)).unflatten(-1, (self.m, -1))
+            H = mixed[..., self.m:, :] + beta.unsqueeze(-1) * update
+        return H.flatten(-2)
 
 
 class StreamGates(nn.Module):
@@ -418,6 +573,7 @@ class MultiGateResiduals(nn.Module):
     takes a convex step towards the update, s_j <- (1 - beta_j) s_j + beta_j f_i(h_i), with independent
     (sigmoid) or competitive (softmax with a keep logit) gates (arXiv 2605.23259)."""
     sublayer_norm = True
+    equals_at_init = None  # the first n-1 updates start streams; gates near sigmoid(b)
 
     def __init__(self, config):
         super().__init__()
@@ -475,6 +631,7 @@ class DenseFormer(nn.Module):
     The period as in the official experiments' model: only the groups' outputs are stored (the
     official DWA package also stores the outputs of the layers between two averages)."""
     sublayer_norm = True
+    equals_at_init = 'prenorm'
 
     def __init__(self, config):
         super().__init__()
@@ -527,6 +684,7 @@ class MUDDFormer(nn.Module):
     for the ways c = q, k, v, r (multiway; one way, r, without), and one way after the last layer: the
     output. Prenorm at init (W2 = 0, b_i one-hot on X_{i+1}), up to the split projection's rounding."""
     sublayer_norm = True
+    equals_at_init = 'prenorm'  # up to the split projection's rounding
 
     @staticmethod
     def attention_inputs(config, layer):
@@ -551,12 +709,17 @@ RESIDUALS = {
     'prenorm': PreNorm,
     'rezero': ReZero,
     'layerscale': LayerScale,
+    'laurel_rw': LaurelRW,
+    'laurel_lr': LaurelLR,
     'attnres': AttnRes,
     'block_attnres': BlockAttnRes,
     'delta_attnres': DeltaAttnRes,
     'wav': WAV,
     'hc': HyperConnections,
+    'mhc': MHC,
     'mhc_lite': MHCLite,
+    'kromhc': KromHC,
+    'frac': FracConnections,
     'mgr': MultiGateResiduals,
     'denseformer': DenseFormer,
     'mudd': MUDDFormer,

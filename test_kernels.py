@@ -16,9 +16,9 @@ from torch.func import functional_call
 
 import data
 import kernels
-from conftest import (KERNEL_DEVICE, METHODS, REAL_TEXT, TRITON_MARKS, assert_clean_error, fake_sublayers, needs_triton,
-                      randomize_routing, rel_rms, routing, run_cli, tiny_model)
-from residuals import DepthAttention, rms_norm
+from conftest import (KERNEL_DEVICE, METHODS, VARIANTS, REAL_TEXT, TRITON_MARKS, assert_clean_error, fake_sublayers,
+                      needs_triton, randomize_routing, rel_rms, routing, run_cli, tiny_model)
+from residuals import RESIDUALS, DepthAttention, rms_norm
 
 
 @pytest.mark.parametrize('S,C,m,with_bias', [(1, 7, 1, False), (4, 13, 3, True), (11, 16, 2, True)])
@@ -282,7 +282,8 @@ def test_mgr_inverting_backward_runs_twice_and_refuses_to_start_at_an_inner_step
         inputs[4].sum().backward()  # the input of sublayer 4, made by the (inner) step of sublayer 3
 
 
-STREAM_VARIANTS = [('hc', {}), ('hc', {'hc_dynamic': False}), ('mhc_lite', {}), ('mhc_lite', {'hc_streams': 3})]
+STREAM_VARIANTS = [('hc', {}), ('hc', {'hc_dynamic': False}), ('mhc_lite', {}), ('mhc_lite', {'hc_streams': 3}),
+                   ('mhc', {}), ('kromhc', {'hc_streams': 8})]  # (mhc, kromhc: the PyTorch twin on every backend)
 
 
 @pytest.mark.parametrize('residual,knobs', STREAM_VARIANTS)
@@ -606,11 +607,9 @@ def test_kernels_knob_errors_are_clear(tmp_path):
 def test_every_fast_twin_is_found_by_its_class(monkeypatch):
     """FAST is keyed by the classes of residuals.py themselves (route looks up the exact class), so
     a renamed class keeps its twin: with each class's own forward made to fail, route runs every
-    method with a twin on it (kernels=torch); prenorm, rezero and layerscale have none."""
-    from residuals import RESIDUALS
+    method with a twin on it (kernels=torch); a method without one (any method a fork adds) runs its
+    class's forward on every backend."""
     assert set(kernels.FAST) <= set(RESIDUALS.values())
-    assert sorted(name for name, cls in RESIDUALS.items() if cls not in kernels.FAST) == ['layerscale', 'prenorm',
-                                                                                           'rezero']
     for name, cls in RESIDUALS.items():
         if cls in kernels.FAST:
             with monkeypatch.context() as patch:
@@ -754,8 +753,8 @@ def test_every_triton_kernel_compiles_for_a_cuda_gpu():
 # ----------------------------------------------------------------------------- every fast path in float64; launches
 
 @pytest.mark.parametrize('backend', ['torch', pytest.param('triton', marks=TRITON_MARKS)])
-@pytest.mark.parametrize('residual', METHODS)
-def test_every_fast_path_equals_the_reference_in_float64(residual, backend, few_programs):
+@pytest.mark.parametrize('residual,knobs', VARIANTS)
+def test_every_fast_path_equals_the_reference_in_float64(residual, knobs, backend, few_programs):
     """Every method's fast path (the twins of kernels.py, the Triton kernels) computes at its inputs'
     precision: in float64 its output and the gradients of e and of every routing parameter equal the
     class's own forward through autograd within 1e-10 (float32 inside would show as ~1e-7), on
@@ -764,10 +763,10 @@ def test_every_fast_path_equals_the_reference_in_float64(residual, backend, few_
     def run(backend):
         torch.manual_seed(0)  # MUDD's init draws from the global generator
         gen = torch.Generator().manual_seed(0)
-        router = routing(residual, 3, C=24)
+        router = routing(residual, 4, C=24, **knobs)
         randomize_routing(router)
         router.double()
-        weights = [torch.randn(24, 24, generator=gen, dtype=torch.float64) * 24 ** -0.5 for _ in range(6)]
+        weights = [torch.randn(24, 24, generator=gen, dtype=torch.float64) * 24 ** -0.5 for _ in range(8)]
         e = torch.randn(2, 5, 24, generator=gen, dtype=torch.float64).requires_grad_()
         sublayers = [lambda h, *more, w=w: 3 * torch.tanh((h + sum(more)) @ w) for w in weights]
         out = kernels.route(router, e, sublayers, backend)
@@ -783,12 +782,16 @@ def test_every_fast_path_equals_the_reference_in_float64(residual, backend, few_
 # fail too, so that these figures and docs/PERFORMANCE.md's stay the measured ones: update both
 # (test_docs.py holds the two equal).
 OPERATORS = {
-    'torch': {'prenorm': (135, 245), 'rezero': (152, 239), 'layerscale': (168, 255), 'attnres': (509, 652),
-              'block_attnres': (429, 570), 'delta_attnres': (482, 591), 'wav': (751, 782), 'hc': (408, 760),
-              'mhc_lite': (472, 710), 'mgr': (500, 540), 'denseformer': (169, 322), 'mudd': (291, 411)},
-    'triton': {'prenorm': (135, 245), 'rezero': (152, 239), 'layerscale': (168, 255), 'attnres': (159, 297),
-               'block_attnres': (159, 297), 'delta_attnres': (206, 315), 'wav': (195, 302), 'hc': (159, 276),
-               'mhc_lite': (202, 316), 'mgr': (154, 265), 'denseformer': (169, 322), 'mudd': (280, 417)},
+    'torch': {'prenorm': (135, 245), 'rezero': (152, 239), 'layerscale': (168, 255), 'laurel_rw': (201, 249),
+              'laurel_lr': (217, 377), 'attnres': (509, 652), 'block_attnres': (429, 570), 'delta_attnres': (482, 591),
+              'wav': (751, 782), 'hc': (408, 760), 'mhc': (3656, 1389), 'mhc_lite': (472, 710),
+              'kromhc': (608, 1117), 'frac': (610, 574), 'mgr': (500, 540), 'denseformer': (169, 322),
+              'mudd': (291, 411)},
+    'triton': {'prenorm': (135, 245), 'rezero': (152, 239), 'layerscale': (168, 255), 'laurel_rw': (201, 249),
+               'laurel_lr': (217, 377), 'attnres': (159, 297), 'block_attnres': (159, 297), 'delta_attnres': (206, 315),
+               'wav': (195, 302), 'hc': (159, 276), 'mhc': (3656, 1389), 'mhc_lite': (202, 316),
+               'kromhc': (608, 1117), 'frac': (610, 574), 'mgr': (154, 265), 'denseformer': (169, 322),
+               'mudd': (280, 417)},
 }
 
 
@@ -806,6 +809,8 @@ def test_operators_per_training_step_are_pinned(backend):
     off = {m: (counted[m], want) for m, want in OPERATORS[backend].items()
            if any(abs(c - w) > max(2, 0.02 * w) for c, w in zip(counted[m], want))}
     assert not off, f"(counted, pinned) operators per training step changed: {off}"
+    unpinned = sorted(m for m in METHODS if RESIDUALS[m] in kernels.FAST and m not in OPERATORS[backend])
+    assert not unpinned, f"methods with a fast twin and no pinned operators: {unpinned} (counted: {counted})"
 
 
 # The bytes one training step moves (bench.py --count_bytes), x prenorm's, in bfloat16 autocast at a
@@ -813,12 +818,14 @@ def test_operators_per_training_step_are_pinned(backend):
 # adds traffic to a method's routing fails here, and so does one that removes it until these figures
 # and docs/PERFORMANCE.md's are updated.
 BYTES = {
-    'torch': {'prenorm': 1.0, 'rezero': 0.984, 'layerscale': 1.111, 'attnres': 2.211, 'block_attnres': 1.775,
-              'delta_attnres': 2.116, 'wav': 2.879, 'hc': 3.343, 'mhc_lite': 3.225, 'mgr': 3.053,
-              'denseformer': 1.149, 'mudd': 1.533},
-    'triton': {'prenorm': 1.0, 'rezero': 0.984, 'layerscale': 1.111, 'attnres': 1.125, 'block_attnres': 1.099,
-               'delta_attnres': 1.311, 'wav': 1.229, 'hc': 1.493, 'mhc_lite': 1.885, 'mgr': 1.232,
-               'denseformer': 1.149, 'mudd': 1.428},
+    'torch': {'prenorm': 1.0, 'rezero': 0.984, 'layerscale': 1.111, 'laurel_rw': 1.177, 'laurel_lr': 1.221,
+              'attnres': 2.211, 'block_attnres': 1.775, 'delta_attnres': 2.116, 'wav': 2.879, 'hc': 3.343,
+              'mhc': 4.606, 'mhc_lite': 3.225, 'kromhc': 3.075, 'frac': 1.684, 'mgr': 3.053, 'denseformer': 1.149,
+              'mudd': 1.533},
+    'triton': {'prenorm': 1.0, 'rezero': 0.984, 'layerscale': 1.111, 'laurel_rw': 1.177, 'laurel_lr': 1.221,
+               'attnres': 1.125, 'block_attnres': 1.099, 'delta_attnres': 1.311, 'wav': 1.229, 'hc': 1.493,
+               'mhc': 4.606, 'mhc_lite': 1.885, 'kromhc': 3.075, 'frac': 1.684, 'mgr': 1.232, 'denseformer': 1.149,
+               'mudd': 1.428},
 }
 
 

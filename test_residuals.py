@@ -2,6 +2,7 @@
 The residual methods: their maths, init and invariants, on every backend the routing runs on
 (`reference`: the classes as written; `torch`, `triton`: their fast twins in kernels.py).
 """
+import dataclasses
 import json
 import math
 import re
@@ -15,8 +16,8 @@ import data
 import kernels
 import residuals
 import train
-from conftest import (BACKENDS, METHODS, on_backends, README, REAL_TEXT, TINY_TRAIN, fake_sublayers, randomize_routing,
-                      rel_rms, routing, tiny_model, unigram_entropy)
+from conftest import (BACKENDS, KNOB_VALUES, METHODS, VARIANTS, on_backends, README, REAL_TEXT, TINY_TRAIN,
+                      fake_sublayers, randomize_routing, rel_rms, routing, tiny_model, unigram_entropy)
 from model import GPT, GPTConfig
 from residuals import RESIDUALS, DepthAttention
 
@@ -35,10 +36,10 @@ def read_weights(router):
 # ----------------------------------------------------------------------------- every method
 
 @pytest.mark.parametrize('backend', BACKENDS)
-@pytest.mark.parametrize('residual', METHODS)
-def test_causality(residual, backend):
+@pytest.mark.parametrize('residual,knobs', VARIANTS)
+def test_causality(residual, knobs, backend):
     """Changing tokens t+1.. leaves the logits at 0..t unchanged (with random routing parameters)."""
-    model = tiny_model(residual, n_layer=3)
+    model = tiny_model(residual, n_layer=4, **knobs)
     randomize_routing(model)
     model.eval().set_kernels(backend)
     gen = torch.Generator().manual_seed(0)
@@ -69,12 +70,12 @@ def test_training_lowers_val_loss_on_real_text(residual, tmp_path, data_dir):
 
 
 @pytest.mark.parametrize('backend', BACKENDS)
-@pytest.mark.parametrize('residual', METHODS)
-def test_48_layers_give_finite_logits_and_gradients(residual, backend):
+@pytest.mark.parametrize('residual,knobs', VARIANTS)
+def test_48_layers_give_finite_logits_and_gradients(residual, knobs, backend):
     """48 layers (through Triton's interpreter, which runs the same kernels some 100x slower, 12: at
     that depth every schedule still has several chunks or blocks, the last one short)."""
     n_layer, shape = (12, (1, 4)) if backend == 'triton' else (48, (2, 8))
-    model = tiny_model(residual, n_layer=n_layer, n_embd=16, n_head=2, block_size=8)
+    model = tiny_model(residual, n_layer=n_layer, n_embd=16, n_head=2, block_size=8, **knobs)
     model.set_kernels(backend)
     idx = torch.randint(27, shape)
     logits, loss = model(idx, idx)
@@ -84,14 +85,64 @@ def test_48_layers_give_finite_logits_and_gradients(residual, backend):
     assert all(p.grad is not None for p in model.residual.parameters() if p.requires_grad)
 
 
-@pytest.mark.parametrize('residual', METHODS)
-def test_routing_parameters_get_no_weight_decay(residual):
-    model = tiny_model(residual)
+@pytest.mark.parametrize('residual,knobs', VARIANTS)
+def test_routing_parameters_get_no_weight_decay(residual, knobs):
+    model = tiny_model(residual, **knobs)
     optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), 'cpu')
     decayed = {id(p) for g in optimizer.param_groups if g['weight_decay'] > 0 for p in g['params']}
     assert not decayed & {id(p) for p in model.residual.parameters()}
     assert id(model.transformer.h[0].attn.c_attn.weight) in decayed
     assert sum(len(g['params']) for g in optimizer.param_groups) == len(list(model.parameters()))
+
+
+@pytest.mark.parametrize('residual,knobs', VARIANTS)
+def test_each_method_is_at_init_what_its_class_declares(residual, knobs):
+    """A class's `equals_at_init` names the registered method whose logits it gives at init with the
+    same shared weights (float64, within 1e-10 of their scale): a wrong init (a zero-init matrix drawn
+    at random) or a dropped term fails here. None declares that no method does, and then it must differ
+    from prenorm's, so that an unnoticed reduction to prenorm fails too."""
+    cls = RESIDUALS[residual]
+    assert hasattr(cls, 'equals_at_init'), (f"{cls.__name__} declares no equals_at_init: name the registered "
+                                            f"method it equals at init, or None (residuals.py's docstring)")
+    declared = cls.equals_at_init
+    assert declared is None or declared in RESIDUALS, f"{cls.__name__}.equals_at_init = {declared!r} is not registered"
+    idx = torch.randint(27, (2, 16), generator=torch.Generator().manual_seed(0))
+    logits = {}
+    for name in (residual, declared or 'prenorm'):
+        model = tiny_model(name, n_layer=4, **knobs).double()
+        model.set_kernels('reference')
+        logits[name] = model(idx, idx)[0]
+    got, want = logits[residual], logits[declared or 'prenorm']
+    scale = want.abs().max()
+    if declared:
+        assert (got - want).abs().max() <= 1e-10 * scale, f"{residual} at init is not {declared}"
+    else:
+        assert (got - want).abs().max() > 1e-6 * scale, f"{residual} at init is prenorm: declare it"
+
+
+@pytest.mark.parametrize('residual,knobs', VARIANTS)
+def test_every_routing_parameter_gets_a_gradient(residual, knobs):
+    """On a step from random routing parameters, every parameter of the residual module gets a
+    gradient with a non-zero entry (a term that a parameter never reaches, or a parameter that reaches
+    the loss through nothing, fails here; `grad is not None` passes on zeros)."""
+    model = tiny_model(residual, n_layer=4, **knobs)
+    randomize_routing(model)
+    model.set_kernels('reference')
+    idx = torch.randint(27, (2, 16), generator=torch.Generator().manual_seed(0))
+    model(idx, idx)[1].backward()
+    silent = [name for name, p in model.residual.named_parameters() if p.grad is None or not p.grad.any()]
+    assert not silent, f"{residual}: no gradient reaches {silent}"
+
+
+def test_every_knob_has_values_to_test():
+    """Every knob of GPTConfig (the fields after `residual`) takes a value other than its default in
+    KNOB_VALUES (conftest.py), so that the tests parametrised over VARIANTS run it."""
+    fields = [f.name for f in dataclasses.fields(GPTConfig)]
+    knobs = fields[fields.index('residual') + 1:]
+    tried = {k for variants in KNOB_VALUES.values() for knobs_ in variants for k, v in knobs_.items()
+             if v != GPTConfig.__dataclass_fields__[k].default}
+    assert set(KNOB_VALUES) <= set(RESIDUALS)
+    assert not set(knobs) - tried, f"knobs with no other value in conftest.KNOB_VALUES: {sorted(set(knobs) - tried)}"
 
 
 def test_shared_weights_are_identical_across_methods():
