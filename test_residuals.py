@@ -433,6 +433,169 @@ def test_mhc_lite_init_and_too_many_streams():
         routing('mhc_lite', 2, hc_streams=7)
 
 
+def sinkhorn_by_hand(logits, iterations=20):
+    """The mHC paper's Sinkhorn-Knopp written out: M = exp(logits), then alternately every column and
+    every row divided by its sum."""
+    M = logits.exp()
+    for _ in range(iterations):
+        M = M / M.sum(-2, keepdim=True)
+        M = M / M.sum(-1, keepdim=True)
+    return M
+
+
+def test_mhc_h_res_is_twenty_sinkhorn_iterations_and_differentiates_through_them():
+    """mHC's H_res is the paper's iteration (M <- T_r(T_c(M)) from exp(logits), 20 times), here in the
+    log domain: equal to it written out in float64; its rows sum to 1, its columns nearly (for these
+    logits, within 1e-2, where one iteration leaves them further); its
+    gradient is the derivative of the 20 iterations (gradcheck); in float32 under bfloat16 autocast."""
+    router = routing('mhc', 2)
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, 16, generator=gen, dtype=torch.float64) * 2
+    H_res = router.coefficients.mixing(logits)
+    assert rel_rms(H_res, sinkhorn_by_hand(logits.unflatten(-1, (4, 4)))) < 1e-12
+    assert (H_res > 0).all() and torch.allclose(H_res.sum(-1), torch.ones(3, 5, 4, dtype=torch.float64), atol=1e-12)
+    column_error = lambda M: (M.sum(-2) - 1).abs().max()  # the iterations' convergence: not exact (KromHC's point)
+    assert 1e-6 < column_error(H_res) < 1e-2 < column_error(sinkhorn_by_hand(logits.unflatten(-1, (4, 4)), 1))
+    assert torch.autograd.gradcheck(router.coefficients.mixing, logits[:1, :2].clone().requires_grad_())
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        assert router.coefficients.mixing(logits.to(torch.bfloat16)).dtype == torch.float32
+    h_pre, h_post, h_res = router.coefficients(0, torch.randn(1, 2, 4, 16))  # at init: next to the identity
+    off = 3 * math.exp(-8) / (1 + 3 * math.exp(-8))
+    assert torch.allclose(h_res[0, 0], torch.eye(4) * (1 - off) + (1 - torch.eye(4)) * off / 3, atol=1e-6)
+    assert torch.allclose(h_pre[0, 0], torch.sigmoid(torch.tensor([1.0, -1.0, -1.0, -1.0])))
+
+
+@pytest.mark.parametrize('n', [1, 2, 4, 8])
+def test_kromhc_h_res_is_a_kronecker_product_exactly_doubly_stochastic(n):
+    """KromHC's H_res is U_1 (x) ... (x) U_K of 2 x 2 convex mixes of I and the swap (torch.kron of the
+    factors built by hand), exactly doubly stochastic for any logits; a stream count that is not a
+    power of 2 is refused."""
+    router = routing('kromhc', 2, hc_streams=n)
+    K = n.bit_length() - 1
+    logits = torch.randn(3, 2 * K, generator=torch.Generator().manual_seed(n), dtype=torch.float64) * 3
+    H_res = router.coefficients.mixing(logits)
+    for token in range(3):
+        want = torch.ones(1, 1, dtype=torch.float64)
+        for k in range(K):
+            p = torch.softmax(logits[token, 2 * k:2 * k + 2], 0)[0]
+            want = torch.kron(want, torch.stack([torch.stack([p, 1 - p]), torch.stack([1 - p, p])]))
+        assert torch.allclose(H_res[token], want, atol=1e-15)
+    ones = torch.ones(3, n, dtype=torch.float64)
+    assert torch.allclose(H_res.sum(-1), ones, atol=1e-14) and torch.allclose(H_res.sum(-2), ones, atol=1e-14)
+    assert router.coefficients.bias.shape[1] == 2 * n + 2 * K  # 2 log2(n) residual logits, not n!
+    with pytest.raises(ValueError, match='hc_streams=6 must be a power of 2'):
+        GPTConfig(residual='kromhc', hc_streams=6)
+
+
+def test_frac_writes_each_fraction_of_the_update_to_its_own_fraction():
+    """Frac-Connections' equations written a second way, fraction by fraction: with random connections
+    and fake sublayers, the sublayer reads y_j = sum_i Gamma_ij h_i joined, and fraction j becomes
+    sum_i A_ij h_i + beta_j u_j, u_j the sublayer's output's j-th fraction."""
+    router = routing('frac', 2, C=12, frac_parts=3)
+    randomize_routing(router)
+    gen = torch.Generator().manual_seed(0)
+    e = torch.randn(2, 5, 12, generator=gen, dtype=torch.float64)
+    updates = [torch.randn(2, 5, 12, generator=gen, dtype=torch.float64) for _ in range(4)]
+    inputs = []
+    router.double()
+    out = router(e, fake_sublayers(updates, inputs))
+    h = list(e.split(4, -1))
+    with torch.no_grad():
+        for i, u in enumerate(updates):
+            width, beta = router.connections(i, torch.stack(h, -2))
+            y = [sum(width[..., a, b, None] * h[a] for a in range(3)) for b in range(3)]
+            assert torch.allclose(inputs[i], torch.cat(y, -1), atol=1e-12)
+            h = [sum(width[..., a, 3 + b, None] * h[a] for a in range(3)) + beta[..., b, None] * u.split(4, -1)[b]
+                 for b in range(3)]
+    assert torch.allclose(out, torch.cat(h, -1), atol=1e-12)
+
+
+def test_frac_with_one_fraction_is_hc_with_one_stream():
+    """m = 1: Frac-Connections' [Gamma | A] and beta are HC's [A_m | A_r] and B of a single stream, so
+    the two give the same logits for the same (random) connections."""
+    frac, hc = tiny_model('frac', n_layer=3, frac_parts=1), tiny_model('hc', n_layer=3, hc_streams=1)
+    randomize_routing(frac)
+    hc.load_state_dict(frac.state_dict())
+    idx = torch.randint(27, (2, 16), generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(frac(idx, idx)[0], hc(idx, idx)[0], atol=1e-6)
+
+
+def test_laurel_equations_written_out():
+    """LAuReL-RW: x <- alpha f(x) + beta x; LAuReL-LR: x <- f(x) + x + B A x; with random parameters
+    and fake sublayers, each step as written here."""
+    gen = torch.Generator().manual_seed(0)
+    e = torch.randn(2, 5, 16, generator=gen, dtype=torch.float64)
+    updates = [torch.randn(2, 5, 16, generator=gen, dtype=torch.float64) for _ in range(4)]
+    for name in ('laurel_rw', 'laurel_lr'):
+        router = routing(name, 2, laurel_rank=3)
+        randomize_routing(router)
+        router.double()
+        inputs = []
+        out, x = router(e, fake_sublayers(updates, inputs)), e
+        for i, u in enumerate(updates):
+            assert torch.equal(inputs[i], x)
+            if name == 'laurel_rw':
+                x = router.alpha[i] * u + router.beta[i] * x
+            else:
+                x = u + x + x @ router.down[i].t() @ router.up[i].t()
+        assert torch.allclose(out, x, atol=1e-12), name
+    assert routing('laurel_lr', 2, laurel_rank=3).down.shape == (4, 3, 16)
+
+
+def test_mhc_equals_the_hyper_connections_package_where_both_are_defined():
+    """The peer: hyper-connections' ManifoldConstrainedHyperConnections (lucidrains; installed only
+    where it is). With the dynamic projections at zero (its per-stream norms differ from the paper's
+    flattened x', which ours follows) and random static biases, one sublayer's input and new streams
+    equal ours (float32: the package computes in float32; its Sinkhorn normalises rows first, ours
+    columns as the paper writes, and after 20 iterations the two agree to float32)."""
+    package = pytest.importorskip('hyper_connections.manifold_constrained_hyper_connections')
+    n, C, i = 4, 16, 1
+    router = routing('mhc', 2, C=C)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        router.coefficients.bias.copy_(torch.randn(router.coefficients.bias.shape, generator=gen))
+    peer = package.ManifoldConstrainedHyperConnections(n, dim=C, layer_index=i)
+    b = router.coefficients.bias[i].detach()
+    with torch.no_grad():
+        peer.static_alpha.copy_(torch.cat([b[:n, None], b[2 * n:].view(n, n).t()], 1))  # [pre | H_res^T]
+        peer.static_beta.copy_(b[n:2 * n])
+    x = torch.randn(2, 5, n, C, generator=gen)
+    f = lambda h: torch.tanh(h) * 3
+    h, mixed, post = router.mix(i, x)
+    ours = mixed + post.unsqueeze(-1) * f(h).unsqueeze(-2)
+    branch_input, add_residual = peer(x.transpose(1, 2).reshape(2 * n, 5, C))
+    theirs = add_residual(f(branch_input)).view(2, n, 5, C).transpose(1, 2)
+    assert rel_rms(branch_input, h) < 1e-5 and rel_rms(theirs, ours) < 1e-5
+
+
+def test_frac_reads_as_the_hyper_connections_package_reads_its_fractions():
+    """The peer: hyper-connections' HyperConnections with num_fracs = m and one stream (installed only
+    where it is). Its width connection, the sublayer's input and the carried fractions, equals ours for
+    the same random connections, static and dynamic (to the two RMSNorms' epsilons). Its depth
+    connection differs by design: it adds every fraction of the update to each fraction (static
+    beta[f2] for every f1), where ours adds fraction j to fraction j (docs/METHODS.md)."""
+    package = pytest.importorskip('hyper_connections.hyper_connections')
+    m, C, i = 2, 16, 1
+    router = routing('frac', 2, C=C, frac_parts=m)
+    randomize_routing(router)
+    c = router.connections
+    peer = package.HyperConnections(1, dim=C, num_fracs=m, layer_index=0)
+    interleave = torch.tensor([t * m + f2 for f2 in range(m) for t in range(2)])  # its columns (f2, t): ours (t, f2)
+    with torch.no_grad():
+        peer.static_alpha.copy_(c.width[i][:, interleave])
+        peer.dynamic_alpha_fn.copy_(c.proj[i][:, interleave])
+        peer.dynamic_alpha_scale.copy_(c.width_scale[i])
+    x = torch.randn(2, 5, C, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    peer.double()
+    router.double()
+    with torch.no_grad():
+        width, _ = c(i, x.unflatten(-1, (m, -1)))
+        mixed = width.transpose(-1, -2) @ x.unflatten(-1, (m, -1))
+        branch_input, residuals, _ = peer.width_connection(x)
+    assert rel_rms(branch_input, mixed[..., :m, :].flatten(-2)) < 1e-5
+    assert rel_rms(residuals, mixed[..., m:, :].flatten(-2)) < 1e-5
+
+
 def watch_streams(router):
     """The streams (n, B, T, C) that MGR's AttnPool reads after every sublayer (forward hook)."""
     streams = []
@@ -625,7 +788,12 @@ def test_config_validates_each_knob_in_one_place():
                          ({'n_embd': 30, 'n_head': 4}, 'multiple of n_head'), ({'res_block_size': -1}, 'res_block_size'),
                          ({'residual': 'denseformer', 'n_layer': 4, 'denseformer_period': 3}, 'must divide n_layer=4'),
                          ({'denseformer_dilation': 0}, 'denseformer_dilation'), ({'mudd_hidden': -1}, 'mudd_hidden'),
-                         ({'layerscale_init': -0.1}, 'layerscale_init'), ({'mgr_L_base': 0}, 'mgr_L_base')]:
+                         ({'layerscale_init': -0.1}, 'layerscale_init'), ({'mgr_L_base': 0}, 'mgr_L_base'),
+                         ({'residual': 'kromhc', 'hc_streams': 3}, 'hc_streams=3 must be a power of 2'),
+                         ({'residual': 'frac', 'n_embd': 30, 'n_head': 2, 'frac_parts': 4}, 'must divide n_embd=30'),
+                         ({'frac_parts': 0}, 'frac_parts must be at least 1'),
+                         ({'residual': 'laurel_lr', 'n_embd': 16, 'n_head': 2, 'laurel_rank': 17},
+                          'laurel_rank=17 must be at most n_embd=16'), ({'laurel_rank': 0}, 'laurel_rank')]:
         with pytest.raises(ValueError, match=message):
             GPTConfig(**bad)
     with pytest.raises(ValueError, match=r'initial gate .* must be below 1; use a lower mgr_b_base'):
