@@ -33,20 +33,46 @@ def test_composite_gain_of_known_mixings():
     assert gains['forward'] == [4.0] and gains['backward'] == [3.0]
 
 
-def test_mhc_lite_composite_gain_is_one_and_hc_is_not():
-    """mHC-lite's H_res is doubly stochastic, so every product of them has gain exactly 1 (up to
-    rounding), even with random routing parameters; HC's free A_r has no such bound."""
+def test_mhc_family_composite_gain_is_one_and_hc_and_frac_are_not():
+    """mHC-lite's and KromHC's H_res are doubly stochastic, so every product of them has gain exactly 1
+    (up to rounding), even with random routing parameters; mHC's rows sum to 1 exactly (forward gain
+    1) and its columns to within Sinkhorn's convergence; HC's free A_r and Frac's free A have no bound
+    (Frac's streams are fractions, not copies: no angles)."""
     idx = torch.randint(27, (2, 16), generator=torch.Generator().manual_seed(0))
-    for residual, bounded in (('mhc_lite', True), ('hc', False)):
+    for residual, bound in (('mhc_lite', 1e-5), ('kromhc', 1e-5), ('mhc', 2e-2), ('hc', None), ('frac', None)):
         model = tiny_model(residual, n_layer=4)
         randomize_routing(model)
         rec = analyze.record(model, idx)
         gains = analyze.composite_gain(rec['mixing'])
-        assert len(rec['mixing']) == 8 and len(rec['streams']) == 8
-        if bounded:
-            assert max(gains['forward'] + gains['backward']) == pytest.approx(1.0, abs=1e-5)
+        assert len(rec['mixing']) == 8 and len(rec['streams']) == (0 if residual == 'frac' else 8)
+        if bound:
+            assert max(gains['forward']) == pytest.approx(1.0, abs=1e-5), residual
+            assert max(gains['backward']) == pytest.approx(1.0, abs=bound), residual
         else:
-            assert max(gains['forward']) > 1.1
+            assert max(gains['forward']) > 1.1, residual
+
+
+def test_diagnostics_are_picked_by_class_not_by_attribute_name(monkeypatch):
+    """A method a fork adds, with a submodule that happens to be called `gates` (or `pool`,
+    `connections`, `coefficients`) of its own kind, is analysed like any other: its activations are
+    recorded and nothing is taken for MGR's gates or HC's connections."""
+    import residuals
+
+    class Forked(torch.nn.Module):
+        sublayer_norm, equals_at_init = True, None
+
+        def __init__(self, config):
+            super().__init__()
+            self.gates = torch.nn.Linear(config.n_embd, 1)
+            self.pool = self.connections = self.coefficients = torch.nn.Identity()
+
+        def forward(self, x, sublayers):
+            for f in sublayers:
+                x = x + torch.sigmoid(self.gates(self.pool(x))) * f(x)
+            return x
+    monkeypatch.setitem(residuals.RESIDUALS, 'forked', Forked)
+    rec = analyze.record(tiny_model('forked', n_layer=2), torch.randint(27, (1, 8)))
+    assert len(rec['inputs']) == 4 and not rec['gates'] and not rec['streams'] and not rec['mixing']
 
 
 def test_stream_angles_of_known_streams():

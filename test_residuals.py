@@ -6,6 +6,9 @@ import dataclasses
 import json
 import math
 import re
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -16,7 +19,7 @@ import data
 import kernels
 import residuals
 import train
-from conftest import (BACKENDS, KNOB_VALUES, METHODS, VARIANTS, on_backends, README, REAL_TEXT, TINY_TRAIN,
+from conftest import (BACKENDS, KNOB_VALUES, METHODS, ROOT, VARIANTS, on_backends, README, REAL_TEXT, TINY_TRAIN,
                       fake_sublayers, randomize_routing, rel_rms, routing, tiny_model, unigram_entropy)
 from model import GPT, GPTConfig
 from residuals import RESIDUALS, DepthAttention
@@ -169,6 +172,32 @@ def test_the_readme_example_method_trains_as_written(tmp_path, data_dir, monkeyp
     metrics = train.main([f'--residual={name}', f'--dataset={REAL_TEXT}', f'--data_dir={data_dir}',
                           f'--out_dir={tmp_path}', '--max_iters=200', '--eval_interval=200', *TINY_TRAIN])
     assert metrics['val_loss'] < unigram_entropy(data.load(REAL_TEXT, data_dir).splits['train']) - 0.15
+
+
+def test_a_method_added_as_the_readme_says_passes_the_suite(tmp_path):
+    """The fork path, end to end: in a copy of the repository, the README's example class and its
+    registry line appended to residuals.py and its section to docs/METHODS.md (what README and
+    CONTRIBUTING ask, and nothing else), the tests that run every registered method pass for it,
+    with the pins and the documents' checks (pytest in the copy, on the new method's cases)."""
+    copy = tmp_path / 'repo'
+    skip = {'.git', '.venv', '__pycache__', '.pytest_cache', 'data', 'runs', 'analysis'}  # what a run leaves at the top
+    shutil.copytree(ROOT, copy, ignore=lambda folder, names: [n for n in names if folder == str(ROOT) and (
+        n in skip or n.startswith('out')) or n == '__pycache__'])
+    section = README.read_text().split('## Adding a residual method')[1]
+    code = re.search(r'```python\n(.*?)```', section, re.S).group(1)
+    with open(copy / 'residuals.py', 'a') as f:
+        f.write('\n\n' + code)
+    with open(copy / 'docs' / 'METHODS.md', 'a') as f:
+        f.write('\n## `mine`: my residual\n\nClass `MyResidual`: x <- x + g_i f_i(x), g_i = 1 at init.\n')
+    tests = ['test_docs.py', 'test_residuals.py', 'test_decode.py', 'test_kernels.py',
+             '-k', 'mine or test_docs or knob_has or (operators and pinned and torch)']
+    result = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', *tests], cwd=copy,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    ran = re.search(r'(\d+) passed', result.stdout)
+    assert ran and int(ran.group(1)) >= 20 and 'mine' in subprocess.run(
+        [sys.executable, '-m', 'pytest', '--collect-only', '-q', '-p', 'no:cacheprovider', 'test_residuals.py'],
+        cwd=copy, capture_output=True, text=True).stdout
 
 
 # ----------------------------------------------------------------------------- baselines
