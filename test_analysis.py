@@ -35,19 +35,23 @@ def test_composite_gain_of_known_mixings():
 
 def test_mhc_family_composite_gain_is_one_and_hc_and_frac_are_not():
     """mHC-lite's and KromHC's H_res are doubly stochastic, so every product of them has gain exactly 1
-    (up to rounding), even with random routing parameters; mHC's rows sum to 1 exactly (forward gain
-    1) and its columns to within Sinkhorn's convergence; HC's free A_r and Frac's free A have no bound
-    (Frac's streams are fractions, not copies: no angles)."""
+    (up to rounding), even with random routing parameters; mHC's rows sum to 1 exactly (forward gain 1)
+    but its columns only to within 20 Sinkhorn iterations, so its backward gain drifts (here about
+    1.09 after 8 sublayers); HC's free A_r and Frac's free A have no bound (Frac's rows are
+    fractions, not copies of the stream: no angles)."""
     idx = torch.randint(27, (2, 16), generator=torch.Generator().manual_seed(0))
-    for residual, bound in (('mhc_lite', 1e-5), ('kromhc', 1e-5), ('mhc', 2e-2), ('hc', None), ('frac', None)):
+    for residual in ('mhc_lite', 'kromhc', 'mhc', 'hc', 'frac'):
         model = tiny_model(residual, n_layer=4)
         randomize_routing(model)
         rec = analyze.record(model, idx)
         gains = analyze.composite_gain(rec['mixing'])
         assert len(rec['mixing']) == 8 and len(rec['streams']) == (0 if residual == 'frac' else 8)
-        if bound:
+        if residual in ('mhc_lite', 'kromhc', 'mhc'):
             assert max(gains['forward']) == pytest.approx(1.0, abs=1e-5), residual
-            assert max(gains['backward']) == pytest.approx(1.0, abs=bound), residual
+        if residual in ('mhc_lite', 'kromhc'):
+            assert max(gains['backward']) == pytest.approx(1.0, abs=1e-5), residual
+        elif residual == 'mhc':
+            assert 1.01 < max(gains['backward']) < 1.5
         else:
             assert max(gains['forward']) > 1.1, residual
 
