@@ -6,6 +6,7 @@ Cost of every residual method against prenorm.
     python bench.py --compile=True --json_path=bench.json
     python bench.py --config=deep --compile=True --compile_scope=sublayers   # regional: seconds to compile
     python bench.py --methods=mgr --mgr_fallback_p=-1   # MGR without the inverting backward
+    python bench.py --methods=mgr,hc --mgr_streams=8 --hc_streams=8   # any method's knob (GPTConfig's fields)
     python bench.py --config=gpt2 --kernels=triton      # on a GPU: GPT-2 small's shape, bf16
     python bench.py --count_ops=True                    # operators per training step, exact, no timing
     TRITON_INTERPRET=1 python bench.py --count_ops=True --kernels=triton --config=ops_deep  # on a CPU
@@ -70,7 +71,7 @@ from torch.utils._pytree import tree_leaves
 import configurator
 import kernels as kernels_module
 from kernels import resolve as resolve_kernels
-from model import COMPILE_MODES, COMPILE_SCOPES, GPT, GPTConfig, KVCache
+from model import COMPILE_MODES, COMPILE_SCOPES, GPT, GPTConfig, KVCache, method_knobs
 from residuals import RESIDUALS
 
 CONFIGS = {
@@ -111,6 +112,13 @@ suite = ''  # 'gpu': the prepared GPU run (see run_suite), written to suite_dir;
 suite_dir = 'gpu_suite'
 suite_budget_s = 570  # the suite's wall-time budget: what does not fit is reported as not run
 dry_run = False  # the suite on the tiny config, a few methods and a few tests: does it all run?
+
+
+def model_config(name, shape, cfg):
+    """The GPTConfig of method `name` at a CONFIGS shape, with the method knobs cfg sets (the others at
+    their defaults)."""
+    return GPTConfig(**shape, **{k: cfg[k] for k in method_knobs() if k in cfg}, vocab_size=cfg['vocab_size'],
+                     residual=name)
 
 
 def saved_bytes(model, x, y):
@@ -158,7 +166,7 @@ def counted_step(name, shape, x, y, ctx, backend, cfg, counter):
     mode, active, after one uncounted step, so that nothing lazy is counted -> the counter."""
     with x.device:
         torch.manual_seed(cfg['seed'])
-        model = GPT(GPTConfig(**shape, vocab_size=cfg['vocab_size'], residual=name))
+        model = GPT(model_config(name, shape, cfg))
     model.set_kernels(backend, cfg['mgr_fallback_p'])
     for mode in (contextlib.nullcontext(), counter):
         model.zero_grad(set_to_none=True)
@@ -256,7 +264,7 @@ def report_ops(results, cfg, shape, backend):
 
 
 def main(argv):
-    cfg, _ = configurator.parse(argv, configurator.keys_of(globals()), __doc__)
+    cfg, _ = configurator.parse(argv, {**configurator.keys_of(globals()), **method_knobs()}, __doc__)
     configurator.check(cfg, {'steps': (lambda v: v >= 1, 'at least 1'), 'warmup': (lambda v: v >= 0, 'at least 0'),
                              'vocab_size': (lambda v: v >= 2, 'at least 2'),
                              'compile_scope': (lambda v: v in COMPILE_SCOPES, ' or '.join(COMPILE_SCOPES)),
@@ -264,25 +272,28 @@ def main(argv):
                              'mgr_fallback_p': (lambda v: v >= -1, '-1 (no inversion) or at least 0')})
     if cfg['suite']:
         return run_suite(cfg)
-    if cfg['config'] not in CONFIGS:
-        sys.exit(f"error: config={cfg['config']!r}; choose one of: {', '.join(CONFIGS)}")
     names = ['prenorm'] + [m for m in cfg['methods'].split(',') if m and m != 'prenorm']
     unknown = [m for m in names if m not in RESIDUALS]
     if unknown:
         sys.exit(f"error: unknown methods {unknown}; choose from: {', '.join(RESIDUALS)}")
+    if cfg['config'] not in CONFIGS:
+        sys.exit(f"error: config={cfg['config']!r}; choose one of: {', '.join(CONFIGS)}")
+    shape = dict(CONFIGS[cfg['config']])
+    B, T = shape.pop('batch_size'), shape['block_size']
     try:
+        for name in names:  # every method's knobs checked (its class's checks too) before anything runs
+            RESIDUALS[name](model_config(name, shape, cfg))
         dev = configurator.resolve_device(cfg['device'])
         dtype = 'bfloat16' if cfg['count_bytes'] and cfg['dtype'] == 'auto' else cfg['dtype']  # as on a GPU
         dtype_name, ctx = configurator.precision(dev, dtype)
         backend = resolve_kernels(cfg['kernels'], dev.type)
     except ValueError as e:
         sys.exit(f"error: {e}")
-    shape = dict(CONFIGS[cfg['config']])
-    B, T = shape.pop('batch_size'), shape['block_size']
     gen = torch.Generator().manual_seed(cfg['seed'])
     x = torch.randint(cfg['vocab_size'], (B, T), generator=gen).to(dev)
     y = torch.randint(cfg['vocab_size'], (B, T), generator=gen).to(dev)
-    print(f"bench: {cfg['config']} {shape}, batch {B}, on {dev} {dtype_name}, compile={cfg['compile']} "
+    knobs = ''.join(f" --{k}={cfg[k]}" for k, v in method_knobs().items() if cfg[k] != v)
+    print(f"bench: {cfg['config']} {shape}{knobs}, batch {B}, on {dev} {dtype_name}, compile={cfg['compile']} "
           f"({cfg['compile_scope']}, {cfg['compile_mode']}), "
           f"kernels={backend}, mgr_fallback_p={cfg['mgr_fallback_p']}, "
           + ("counting operators" if cfg['count_ops'] else "counting bytes" if cfg['count_bytes'] else
@@ -346,7 +357,7 @@ def decode_costs(names, shape, B, dev, ctx, backend, cfg):
     runs = {}
     for name in names:
         torch.manual_seed(cfg['seed'])
-        model = GPT(GPTConfig(**shape, vocab_size=cfg['vocab_size'], residual=name)).to(dev).eval()
+        model = GPT(model_config(name, shape, cfg)).to(dev).eval()
         model.set_kernels(backend, cfg['mgr_fallback_p'])
         runs[name] = dict(model=model, prefill=[], step=[], uncached=[])
     with torch.no_grad(), ctx:
@@ -543,7 +554,7 @@ def measure(cfg, names, shape, B, x, y, dev, ctx, backend):
     runs = {}
     for name in names:
         torch.manual_seed(cfg['seed'])
-        model = GPT(GPTConfig(**shape, vocab_size=cfg['vocab_size'], residual=name)).to(dev)
+        model = GPT(model_config(name, shape, cfg)).to(dev)
         model.set_kernels(backend, cfg['mgr_fallback_p'])
         with ctx:
             saved = saved_bytes(model, x, y)

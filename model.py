@@ -12,7 +12,7 @@ import inspect
 import math
 import os
 import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn
@@ -89,6 +89,12 @@ class GPTConfig:
             raise ValueError(f"laurel_rank={self.laurel_rank} must be at most n_embd={self.n_embd}")
         if self.mudd_hidden < 0:
             raise ValueError(f"mudd_hidden must be >= 0 (0 = the official rule), got {self.mudd_hidden}")
+
+
+def method_knobs():
+    """The residual methods' knobs: GPTConfig's fields after `residual`, with their defaults."""
+    names = [f.name for f in fields(GPTConfig)]
+    return {f.name: f.default for f in fields(GPTConfig)[names.index('residual') + 1:]}
 
 
 def attention_inputs(residual_cls, config, layer):

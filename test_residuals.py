@@ -2,7 +2,6 @@
 The residual methods: their maths, init and invariants, on every backend the routing runs on
 (`reference`: the classes as written; `torch`, `triton`: their fast twins in kernels.py).
 """
-import dataclasses
 import json
 import math
 import re
@@ -21,7 +20,7 @@ import residuals
 import train
 from conftest import (BACKENDS, KNOB_VALUES, METHODS, ROOT, VARIANTS, on_backends, README, REAL_TEXT, TINY_TRAIN,
                       fake_sublayers, randomize_routing, rel_rms, routing, tiny_model, unigram_entropy)
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, method_knobs
 from residuals import RESIDUALS, DepthAttention
 
 
@@ -140,10 +139,8 @@ def test_every_routing_parameter_gets_a_gradient(residual, knobs):
 def test_every_knob_has_values_to_test():
     """Every knob of GPTConfig (the fields after `residual`) takes a value other than its default in
     KNOB_VALUES (conftest.py), so that the tests parametrised over VARIANTS run it."""
-    fields = [f.name for f in dataclasses.fields(GPTConfig)]
-    knobs = fields[fields.index('residual') + 1:]
-    tried = {k for variants in KNOB_VALUES.values() for knobs_ in variants for k, v in knobs_.items()
-             if v != GPTConfig.__dataclass_fields__[k].default}
+    knobs = method_knobs()
+    tried = {k for variants in KNOB_VALUES.values() for given in variants for k, v in given.items() if v != knobs[k]}
     assert set(KNOB_VALUES) <= set(RESIDUALS)
     assert not set(knobs) - tried, f"knobs with no other value in conftest.KNOB_VALUES: {sorted(set(knobs) - tried)}"
 

@@ -273,10 +273,13 @@ def test_an_error_under_torchrun_is_one_line_from_rank_0(tmp_path):
     ('--init_from=latest', 'scratch or resume'),
     ('--device=gpu', "device='gpu' is not a device"),
     ('--dtype=float16', 'choose one of: auto, float32, bfloat16'),
+    ('--residual=kromhc --hc_streams=3', 'hc_streams=3 must be a power of 2'),
+    ('--residual=frac --frac_parts=3', 'frac_parts=3 must divide n_embd=128'),
+    ('--residual=mgr --mgr_streams=8', 'leaves no keep weight for 8 competing streams'),  # the class's own check
 ])
 def test_every_number_and_choice_is_checked_before_anything_is_written(arg, message, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert message in exit_message(train.main, [arg, f'--out_dir={tmp_path / "o"}', f'--data_dir={tmp_path / "d"}'])
+    assert message in exit_message(train.main, [*arg.split(), f'--out_dir={tmp_path / "o"}', f'--data_dir={tmp_path / "d"}'])
     assert not (tmp_path / 'o').exists() and not (tmp_path / 'd').exists()
 
 
@@ -443,3 +446,18 @@ def test_bench_runs_each_method_beside_its_own_prenorm(tmp_path):
     assert isolated[1]['saved_ratio'] > 1 and isolated[0]['ratio'] == 1.0
     with open(tmp_path / 'isolated.json') as f:
         assert json.load(f)['results'] == isolated
+
+
+def test_bench_takes_every_methods_knobs_and_checks_them_first():
+    """bench.py takes GPTConfig's method knobs (--hc_streams=8 reaches every HC model, in the isolated
+    processes too: more streams, more parameters), and a bad value, a GPTConfig check or a class's
+    own, is one line before anything runs."""
+    import bench
+    args = ['--config=tiny', '--methods=hc,laurel_lr', '--steps=1', '--warmup=0']
+    default, wider = bench.main(args), bench.main([*args, '--hc_streams=8', '--laurel_rank=2'])
+    params = lambda results: {r['method']: r['params'] for r in results}
+    assert params(wider)['hc'] > params(default)['hc'] and params(wider)['laurel_lr'] < params(default)['laurel_lr']
+    assert params(wider)['prenorm'] == params(default)['prenorm']
+    assert 'must be a power of 2' in exit_message(bench.main, ['--methods=kromhc', '--hc_streams=6'])
+    assert 'needs more than 7 sublayers' in exit_message(bench.main, ['--config=tiny', '--methods=mgr', '--mgr_streams=8'])
+    assert "unknown key 'hc_stream'" in exit_message(bench.main, ['--hc_stream=8'])

@@ -27,6 +27,7 @@ import configurator
 import data
 from kernels import resolve as resolve_kernels
 from model import COMPILE_MODES, COMPILE_SCOPES, GPT, GPTConfig, CheckpointError, load_checkpoint, save_checkpoint
+from residuals import RESIDUALS
 
 # -----------------------------------------------------------------------------
 # defaults: a small model (GPTConfig's defaults: 4 layers, width 128, context 128) that learns the
@@ -100,7 +101,8 @@ def parse_config(argv):
         sys.exit(f"error: eval_tokens={cfg['eval_tokens']} is less than one validation window; it must be at least "
                  f"block_size={cfg['block_size']}")
     try:
-        GPTConfig(**{k: cfg[k] for k in MODEL_KEYS})
+        config = GPTConfig(**{k: cfg[k] for k in MODEL_KEYS})
+        RESIDUALS[config.residual](config)  # the class's own checks (MGR's gate, mHC-lite's n!), before any file
     except ValueError as e:
         sys.exit(f"error: {e}")
     return cfg, given
