@@ -4,6 +4,8 @@ Run a grid of experiments over seeds, keep each run's result, and compare the me
     python sweep.py cpu_methods --jobs=2      # run (skips runs with a result file, resumes interrupted ones)
     python sweep.py cpu_methods --report      # table and plot from results/cpu_methods/*.json, no training
     python sweep.py char --print              # the commands, one per line, for a cluster scheduler
+    python sweep.py mine --configs=config/cpu_study.py --seeds=0,1,2 \
+        --variants="--residual=prenorm; --residual=hc --hc_streams=8"   # a grid given here: results/mine/
 
 A grid is base configs x variants x seeds (or a list of such products); each run is `python train.py CONFIG... VARIANT... --seed=S
 --out_dir=RUNS/GRID/NAME` (RUNS = --runs_dir, default runs/). When a run has finished, its final
@@ -108,8 +110,9 @@ def arg_name(arg):
 
 
 def runs_of(grid, runs_dir):
-    """A grid's runs in order: a grid is one product of configs x variants x seeds, or a list of them."""
-    parts = GRIDS[grid]
+    """A grid's runs in order: a grid is one product of configs x variants x seeds, or a list of them
+    (none for a grid GRIDS does not know: one given on the command line, reported from its files)."""
+    parts = GRIDS.get(grid, [])
     for product in parts if isinstance(parts, list) else [parts]:
         yield from product_runs(grid, product, runs_dir)
 
@@ -139,7 +142,7 @@ def state(run, results_dir):
         return 'done'
     log = read_log(run['out_dir'])
     events = [r.get('event') for r in log if 'event' in r]
-    if events and events[-1] == 'done':
+    if events and events[-1] in ('done', 'diverged'):
         return 'done'
     return 'interrupted' if os.path.exists(os.path.join(run['out_dir'], 'ckpt.pt')) else 'new'
 
@@ -163,12 +166,12 @@ def execute(runs, jobs, results_dir):
         t0 = time.time()
         with open(os.path.join(run['out_dir'], 'train.out'), 'a') as out:
             result = subprocess.run(command(run), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
-        if result.returncode == 0:
-            collect(run, results_dir, wall_s=time.time() - t0)
-        print(f"{'ok ' if result.returncode == 0 else 'FAILED'} {run['out_dir']} ({time.time() - t0:.0f}s)", flush=True)
-        return result.returncode
+        kept = collect(run, results_dir, wall_s=time.time() - t0)  # a finished run, or one that diverged
+        status = 'FAILED' if kept is None else 'diverged' if 'diverged_at' in kept else 'ok'
+        print(f"{status:<8} {run['out_dir']} ({time.time() - t0:.0f}s)", flush=True)
+        return kept is not None
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        failures = sum(code != 0 for code in pool.map(one, todo))
+        failures = sum(not kept for kept in pool.map(one, todo))
     print(f"{len(todo)} runs in {(time.time() - start) / 60:.1f} minutes of wall time", flush=True)
     if failures:
         sys.exit(f"error: {failures} run(s) failed; see train.out in their folders")
@@ -181,17 +184,21 @@ def result_path(run, results_dir):
 
 
 def collect(run, results_dir, wall_s=None):
-    """Write a finished run's result file (final metrics, validation curve, wall time) from its log."""
+    """Write a finished run's result file (final metrics, validation curve, wall time) from its log, or
+    a diverged run's (its curve, and the iteration where its loss stopped being finite: final None)."""
     log = read_log(run['out_dir'])
-    done = [r for r in log if r.get('event') == 'done']
-    if not done:
+    ends = [r for r in log if r.get('event') in ('done', 'diverged')]
+    if not ends:
         return None
     path = result_path(run, results_dir)
     old = json.load(open(path)) if os.path.exists(path) else {}
+    end = ends[-1]
     result = dict(grid=run['grid'], group=run['group'], method=run['method'], seed=run['seed'], args=run['args'][:-1],
-                  final={k: v for k, v in done[-1].items() if k != 'event'},
+                  final={k: v for k, v in end.items() if k != 'event'} if end['event'] == 'done' else None,
                   curve={r['iter']: r['val_loss'] for r in log if 'val_loss' in r and 'event' not in r},
                   wall_s=wall_s if wall_s is not None else old.get('wall_s'))
+    if end['event'] == 'diverged':
+        result['diverged_at'] = end['iter']
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, 'w') as f:
         json.dump(result, f, indent=1)
@@ -336,9 +343,10 @@ def report(grid, runs_dir, results_dir):
     results.png (with matplotlib) from the result files; return the markdown."""
     for run in runs_of(grid, runs_dir):
         collect(run, results_dir)
-    results = load_results(grid, results_dir)
-    if not results:
+    everything = load_results(grid, results_dir)
+    if not everything:
         sys.exit(f"error: no results in {os.path.join(results_dir, grid)}; run `python sweep.py {grid}` first")
+    results = [r for r in everything if r['final'] is not None]  # the diverged ones are listed, not compared
     rows = comparisons(results)
     ratios = step_ratios(grid, results_dir)
     timed = equal_time(results, ratios) if ratios else {}
@@ -372,7 +380,7 @@ def report(grid, runs_dir, results_dir):
             "over seeds of (method - reference) with the half-width of its 95% confidence interval (Student t); "
             "'lower' or 'higher' where the interval excludes zero, 'unresolved' where it does not."
             + (f" {len(walls)} runs, {sum(walls) / 3600:.2f} hours of run time in all." if walls else '')
-            + ' ' + resolution(rows)
+            + ' ' + resolution(rows) + unfinished(grid, everything)
             + (" Equal time (bench.json): each method's train-step time x prenorm's; the loss its run had reached "
                "at prenorm's total train time, paired with prenorm's final loss ('-' where its run ended first); "
                "the train time it took to reach prenorm's final loss, x prenorm's ('-' where a seed never did)."
@@ -383,6 +391,19 @@ def report(grid, runs_dir, results_dir):
         f.write(markdown)
     plot(results, rows, os.path.join(out, 'results.png'))
     return markdown
+
+
+def unfinished(grid, results):
+    """The sentences on what the report leaves out: runs that diverged (a loss that was not finite),
+    and the grid's (config, method) pairs with no result file yet (none where a grid was given on the
+    command line without its spec)."""
+    diverged = [f"{r['method']} ({r['group']}, seed {r['seed']}, at iter {r['diverged_at']})"
+                for r in results if r['final'] is None]
+    have = {(r['group'], r['method']) for r in results}
+    missing = list(dict.fromkeys(f"{run['method']} ({run['group']})" for run in runs_of(grid, 'runs')
+                                 if (run['group'], run['method']) not in have)) if grid in GRIDS else []
+    return ((f" Diverged, left out of the comparisons: {'; '.join(diverged)}." if diverged else '')
+            + (f" Not run yet (no result file): {'; '.join(missing)}." if missing else ''))
 
 
 def group_number(group):
@@ -474,10 +495,32 @@ def plot(results, rows, path):
     print(f"wrote {path}", file=sys.stderr)
 
 
+def grid_from_command_line(opts):
+    """A grid given as --configs, --variants (each a ';'-separated list of train.py arguments) and
+    --seeds (comma-separated), every run's command line checked by train.py's own checks first."""
+    import train  # (only here: the rest of this script does not need torch)
+    split = lambda text: [part.split() for part in text.split(';') if part.strip()]
+    configs, variants = split(opts['configs']), split(opts['variants'])
+    try:
+        seeds = [int(seed) for seed in opts['seeds'].split(',')]
+    except ValueError:
+        sys.exit(f"error: --seeds={opts['seeds']!r}: give integers separated by commas, e.g. --seeds=0,1,2")
+    if not configs or not variants or any(seed < 0 for seed in seeds):
+        sys.exit("error: a grid on the command line needs --configs and --variants (train.py arguments, ';' between "
+                 "entries) and --seeds (e.g. 0,1,2)")
+    for config in configs:
+        for variant in variants:
+            try:
+                train.parse_config([*config, *variant])
+            except SystemExit as e:
+                sys.exit(f"{e.code} (in the run {' '.join([*config, *variant])!r})")
+    return dict(configs=configs, variants=variants, seeds=seeds)
+
+
 def main(argv):
     usage = (f"usage: python sweep.py GRID [--jobs=N] [--print] [--report] [--runs_dir=DIR] [--results_dir=DIR]; "
-             f"GRID: {', '.join(GRIDS)}")
-    opts = dict(jobs='1', runs_dir='runs', results_dir=os.path.join(ROOT, 'results'))
+             f"GRID: {', '.join(GRIDS)}, or a new name with --configs=... --variants=... [--seeds=0,1,2]")
+    opts = dict(jobs='1', runs_dir='runs', results_dir=os.path.join(ROOT, 'results'), configs='', variants='', seeds='0')
     flags, grids = set(), []
     for arg in argv:
         key, eq, value = arg.removeprefix('--').partition('=')
@@ -488,13 +531,21 @@ def main(argv):
             flags.add(key)
         elif arg.startswith('--') and eq and key in opts:
             opts[key] = value
-        elif arg in GRIDS:
+        elif not arg.startswith('-') and arg.replace('_', '').isalnum():
             grids.append(arg)
         else:
             sys.exit(f"error: {arg!r} is not understood; {usage}")
     if len(grids) != 1 or not opts['jobs'].isdigit() or int(opts['jobs']) < 1:
         sys.exit(f"error: name one grid, and --jobs a positive integer; {usage}")
-    grid, runs = grids[0], list(runs_of(grids[0], opts['runs_dir']))
+    grid = grids[0]
+    if opts['variants'] or opts['configs']:
+        if grid in GRIDS:
+            sys.exit(f"error: {grid} is a grid of sweep.py already; name the one you give on the command line otherwise")
+        GRIDS[grid] = grid_from_command_line(opts)
+    elif grid not in GRIDS and not ('report' in flags and os.path.isdir(os.path.join(opts['results_dir'], grid))):
+        sys.exit(f"error: no grid {grid!r}: name one of {', '.join(GRIDS)}, or give a new one with --configs and "
+                 f"--variants (with --report alone: the results in {os.path.join(opts['results_dir'], grid)})")
+    runs = list(runs_of(grid, opts['runs_dir']))
     if 'print' in flags:
         for run in runs:
             if state(run, opts['results_dir']) != 'done':

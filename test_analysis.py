@@ -15,7 +15,7 @@ import torch
 import analyze
 import sweep
 import train
-from conftest import TINY_TRAIN, randomize_routing, run_cli, tiny_model
+from conftest import TINY_TRAIN, exit_message, randomize_routing, run_cli, tiny_model
 from model import load_checkpoint, save_checkpoint
 
 
@@ -295,3 +295,28 @@ def test_a_grid_of_several_products_runs_in_their_order_and_pairs_over_the_seeds
     assert f"{np.mean(diffs):+.4f} +- {half:.4f} (lower, 3 paired seeds)" in wav
     prenorm = next(line for line in markdown.splitlines() if '| prenorm |' in line)
     assert 'paired seeds' not in prenorm  # prenorm's 3 seeds are all paired
+
+
+def test_a_grid_on_the_command_line_reports_its_diverged_runs_and_the_methods_not_run(tmp_path, data_dir,
+                                                                                      monkeypatch):
+    """sweep.py NAME --configs --variants --seeds runs a grid that GRIDS does not hold (its runs'
+    command lines checked by train.py first); a run whose loss stops being finite is kept as diverged
+    and named in the report, not left out; a method with no result file yet is named too."""
+    monkeypatch.setattr(sweep, 'GRIDS', dict(sweep.GRIDS))  # what the command line adds stays in this test
+    config = tmp_path / 'tiny.py'
+    config.write_text(f"dataset = 'pydoc'\ndata_dir = {data_dir!r}\nmax_iters = 6\neval_interval = 2\nn_layer = 1\n"
+                      + ''.join(f"{a[2:].split('=')[0]} = {a.split('=')[1]}\n" for a in TINY_TRAIN))
+    dirs = [f'--runs_dir={tmp_path / "runs"}', f'--results_dir={tmp_path / "results"}']
+    spec = [f'--configs={config}', '--seeds=0', '--variants=--residual=prenorm; --residual=hc --hc_streams=2 '
+            '--learning_rate=1e12 --warmup_iters=0 --grad_clip=0.0']
+    assert 'did you mean' in exit_message(sweep.main, ['mine', *dirs, *spec[:2], '--variants=--hc_stream=2'])
+    sweep.main(['mine', *dirs, *spec])
+    folder = tmp_path / 'results' / 'mine'
+    kept = json.loads(next(folder.glob('*hc*.json')).read_text())
+    assert kept['final'] is None and kept['diverged_at'] >= 1
+    markdown = (folder / 'results.md').read_text()
+    assert '| tiny | prenorm | 1 |' in markdown and '| hc' not in markdown
+    assert 'Diverged, left out of the comparisons: hc-hc_streams2-learning_rate1e12' in markdown
+    del sweep.GRIDS['mine']
+    sweep.main(['mine', '--report', *dirs, *spec[:2], spec[2] + '; --residual=laurel_rw'])  # one more method
+    assert 'Not run yet (no result file): laurel_rw (tiny).' in (folder / 'results.md').read_text()

@@ -383,7 +383,7 @@ def evaluate_and_checkpoint(run):
                              cfg['batch_size'], run.proc.device, run.proc.ctx)
     if not math.isfinite(val_loss):
         stop(run, f"error: val loss is {val_loss} at iter {it}; stopped. The last good checkpoint is kept "
-                  f"in {cfg['out_dir']}. Try a lower learning_rate, or dtype=float32.")
+                  f"in {cfg['out_dir']}. Try a lower learning_rate, or dtype=float32.", diverged=True)
     run.metrics = val_metrics(val_loss, run.ds.char_level)
     run.bar.write(f"iter {it}: " + ', '.join(f'{k} {v:.4f}' for k, v in run.metrics.items()))
     run.log.write({'iter': it, **run.metrics})
@@ -456,7 +456,7 @@ def read_loss(run, loss_sum):
     if bad:
         stop(run, f"error: training loss is not finite in a step after iter {run.checked_iter} up to iter "
                   f"{run.iter_num} (the last: {lossf}); stopped. The last good checkpoint is kept in "
-                  f"{run.cfg['out_dir']}. Try a lower learning_rate, or dtype=float32.")
+                  f"{run.cfg['out_dir']}. Try a lower learning_rate, or dtype=float32.", diverged=True)
     run.checked_iter = run.iter_num
     return lossf
 
@@ -475,9 +475,12 @@ def log_progress(run, lossf, lr):
     run.log.write({'iter': run.iter_num, 'loss': lossf, 'lr': lr, 'tokens_per_s': tok_s})
 
 
-def stop(run, message):
-    """Ends the run on an error: rank 0 exits with the message, the other ranks with status 1."""
+def stop(run, message, diverged=False):
+    """Ends the run on an error: rank 0 exits with the message, the other ranks with status 1. A run
+    stopped by a loss that is not finite says so in its log (sweep.py reports it as diverged)."""
     run.bar.close()
+    if diverged and run.proc.master:
+        run.log.write({'event': 'diverged', 'iter': run.iter_num})
     if run.proc.ddp:
         torch.distributed.destroy_process_group()
     sys.exit(message if run.proc.master else 1)
