@@ -12,6 +12,7 @@ NAME:
                  Python in the standard library (pydoc_data), ~465k characters; no download
     text8        100M characters of Wikipedia, a-z and space; 90M/5M/5M split; reported in bpc
     tinystories  TinyStoriesV2-GPT4 train and valid files, char level
+    tinystories_slice  the CPU studies' slice: the first 2 MiB of TinyStories-train.txt (V1), sha256-checked
     fineweb      GPT-2 token shards of FineWeb-10BT (--shards=N of them, plus the val shard)
     PATH         any local UTF-8 text file, char level, last 10% for validation
 
@@ -55,6 +56,10 @@ TEXT8_SLICE_SHA256 = 'f3413b8d00bc41ef9dda3f92d1c7d028545d385ed476e518fdb0491f57
 TINYSTORIES_REPO = 'roneneldan/TinyStories'  # a dataset on the Hugging Face Hub
 TINYSTORIES_FILES = {'train': ('TinyStoriesV2-GPT4-train.txt', 2_227_753_162),
                      'val': ('TinyStoriesV2-GPT4-valid.txt', 22_502_601)}
+# the CPU studies' TinyStories slice: the first 2 MiB of the V1 train file, sha256-checked (its last,
+# cut story dropped; its last ~10% of stories validate)
+TINYSTORIES_SLICE = ('TinyStories-train.txt', 2_097_152,
+                     '5352b299dcb1a32898b2d779b145b5a05f3e1265953fd21c264c9f9f9c9ae33d')
 STORY_SEPARATOR = '<|endoftext|>'  # one token in our vocabulary
 UNKNOWN = '\ufffd'  # stands for every character rarer than TINYSTORIES_MIN_PER_MILLION
 TINYSTORIES_MIN_PER_MILLION = 1  # about 2,200 occurrences in the full train file
@@ -280,6 +285,51 @@ def read_stories(path, chunk_bytes=1 << 24):
             yield decode_text(carry, path).replace(STORY_SEPARATOR, '\x00'), len(carry)
 
 
+def download_prefix(url, dest, n_bytes, dataset):
+    """The first n_bytes of url into dest (an HTTP Range request; a server that ignores it is read
+    only that far), with a progress bar; written whole or not at all."""
+    if os.path.exists(dest):
+        return dest
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    try:
+        response = urllib.request.urlopen(urllib.request.Request(url, headers={'Range': f'bytes=0-{n_bytes - 1}'}),
+                                          timeout=60)
+    except (urllib.error.URLError, OSError) as e:
+        raise DataError(f"cannot download {url} ({getattr(e, 'reason', e)}). On a machine without internet, prepare "
+                        f"from a local copy of its first {n_bytes:,} bytes (or of the whole file): python data.py "
+                        f"{dataset} --source=PATH")
+    with response, open(dest + '.part', 'wb') as f, tqdm(total=n_bytes, unit='B', unit_scale=True,
+                                                        desc=os.path.basename(dest)) as bar:
+        while (left := n_bytes - f.tell()) and (chunk := response.read(min(left, 1 << 20))):
+            f.write(chunk)
+            bar.update(len(chunk))
+    os.replace(dest + '.part', dest)
+    return dest
+
+
+def prepare_tinystories_slice(out_dir, data_dir, source):
+    """The CPU studies' TinyStories slice (TINYSTORIES_SLICE): the first 2 MiB of TinyStories-train.txt
+    (V1), from a Range download or the prefix of --source (the whole file, or any copy of its head),
+    checked against its sha256; cut after its last whole story and prepared as a one-file TinyStories
+    (the vocabulary of its characters, the last ~10% of its stories for validation)."""
+    name, n_bytes, sha256 = TINYSTORIES_SLICE
+    endpoint = os.environ.get('HF_ENDPOINT', 'https://huggingface.co').rstrip('/')
+    path = source or download_prefix(f'{endpoint}/datasets/{TINYSTORIES_REPO}/resolve/main/{name}',
+                                     os.path.join(data_dir, 'downloads', f'{name}.head'), n_bytes, 'tinystories_slice')
+    with open(path, 'rb') as f:
+        head = f.read(n_bytes)
+    found = hashlib.sha256(head).hexdigest()
+    if len(head) != n_bytes or found != sha256:
+        raise DataError(f"the first {n_bytes:,} bytes of {path} have sha256 {found} ({len(head):,} bytes), expected "
+                        f"{sha256}: it is not the head of the TinyStories V1 file {name}; give --source= a copy of "
+                        f"it, or leave out --source to download its first {n_bytes:,} bytes")
+    stories = os.path.join(data_dir, 'downloads', 'tinystories_slice.txt')
+    os.makedirs(os.path.dirname(stories), exist_ok=True)
+    with open(stories, 'wb') as f:  # whole stories: up to the last separator line
+        f.write(head[:head.rindex((STORY_SEPARATOR + '\n').encode()) + len(STORY_SEPARATOR) + 1])
+    prepare_tinystories(out_dir, data_dir, stories)
+
+
 def prepare_tinystories(out_dir, data_dir, source):
     """Two streaming passes in bounded memory: count characters, then encode. The vocabulary is
     every character seen at least TINYSTORIES_MIN_PER_MILLION times per million in the train file;
@@ -416,7 +466,7 @@ def prepare_fineweb(out_dir, data_dir, source, shards=FINEWEB_SHARDS):
 # ----------------------------------------------------------------------------- loading
 
 PREPARE = {'pydoc': prepare_pydoc, 'text8': prepare_text8, 'tinystories': prepare_tinystories,
-           'fineweb': prepare_fineweb}
+           'tinystories_slice': prepare_tinystories_slice, 'fineweb': prepare_fineweb}
 
 
 def dataset_dir(name, data_dir):

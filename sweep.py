@@ -62,6 +62,12 @@ GRIDS = {
                        variants=[['--residual=mudd'], ['--residual=denseformer']], seeds=[0, 1, 2]),
                   *[dict(configs=[['config/cpu_depth.py', '--n_layer=24']],
                          variants=[['--residual=block_attnres'], ['--residual=wav']], seeds=[seed]) for seed in range(3, 8)]],
+    # the WAV paper's largest gain (TinyStories, 48 layers) at the depth recipe on the TinyStories slice
+    # (python data.py tinystories_slice): Block AttnRes and WAV, eight seeds, seed by seed so that each
+    # finished pair is a comparison
+    'cpu_depth_tinystories': [dict(configs=[['config/cpu_depth.py', '--dataset=tinystories_slice', '--n_layer=48']],
+                                   variants=[['--residual=block_attnres'], ['--residual=wav']], seeds=[seed])
+                              for seed in range(8)],
     # the learning rate of cpu_methods: prenorm and block_attnres at four rates, one seed
     'cpu_lr': dict(configs=[['config/cpu_methods.py']],
                    variants=[[f'--residual={r}', f'--learning_rate={lr}', f'--min_lr={lr / 10:g}']

@@ -1,7 +1,8 @@
 """
 data.py: the embedded corpus, local files, text8, TinyStories and FineWeb shards prepared from the
 shared slices and local files (downloads cannot run here: a local server stands in), the studies'
-text8 slice cut from the full text8 by --max_chars, the fixed validation windows.
+text8 slice cut from the full text8 by --max_chars and TinyStories slice from the head of the V1
+file, the fixed validation windows.
 """
 import hashlib
 import http.server
@@ -376,3 +377,51 @@ def test_max_chars_of_another_text_warns_what_it_splits_and_a_new_value_prepares
     assert (f"was prepared from {source} (its first 1,000 characters); preparing it again from {source} (its "
             f"first 2,000 characters)") in capsys.readouterr().err
     assert len(data.load('text8', str(tmp_path)).splits['train']) == 1800
+
+
+class PathHandler(http.server.BaseHTTPRequestHandler):
+    """Serves one payload at one path, ignoring Range (as some servers do); records the paths asked."""
+    payload, path, requests = b'', '', []
+
+    def do_GET(self):
+        PathHandler.requests.append((self.path, self.headers['Range']))
+        found = self.path == PathHandler.path
+        self.send_response(200 if found else 404)
+        self.send_header('Content-Length', str(len(self.payload) if found else 0))
+        self.end_headers()
+        if found:
+            self.wfile.write(self.payload)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_the_tinystories_slice_is_the_checked_head_of_the_v1_file_in_whole_stories(tmp_path, monkeypatch):
+    """`python data.py tinystories_slice` (the TinyStories depth study's data): the first 2 MiB of
+    TinyStories-train.txt, downloaded with a Range request from the Hub (HF_ENDPOINT: a local server
+    here, which ignores the range and sends more) or the head of --source, sha256-checked; cut after
+    its last whole story; its last ~10% of stories validate. Another file's head is refused."""
+    head = need_shared(SHARED_DATA / 'tinystories_train_head_2MiB.txt').read_bytes()
+    PathHandler.payload = head + b'Once upon a time, more of the file followed.\n'
+    PathHandler.path, PathHandler.requests = '/datasets/roneneldan/TinyStories/resolve/main/TinyStories-train.txt', []
+    server = http.server.HTTPServer(('127.0.0.1', 0), PathHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv('HF_ENDPOINT', f'http://127.0.0.1:{server.server_port}')
+    try:
+        downloaded = data.load('tinystories_slice', str(tmp_path / 'a'))
+    finally:
+        server.shutdown()
+    assert PathHandler.requests == [(PathHandler.path, 'bytes=0-2097151')]
+    data.prepare('tinystories_slice', str(tmp_path / 'b'), source=str(SHARED_DATA / 'tinystories_train_head_2MiB.txt'))
+    from_source = data.load('tinystories_slice', str(tmp_path / 'b'))
+    sep = downloaded.stoi[data.STORY_SEPARATOR]
+    for split in ('train', 'val'):
+        assert np.array_equal(downloaded.splits[split], from_source.splits[split])
+    train_tokens, val_tokens = downloaded.splits['train'], downloaded.splits['val']
+    assert train_tokens[-1] == sep and val_tokens[-1] == sep  # both end with a whole story
+    stories = head.decode('utf-8', errors='ignore').count(data.STORY_SEPARATOR)
+    assert (train_tokens == sep).sum() + (val_tokens == sep).sum() == stories
+    assert 0.05 < len(val_tokens) / len(train_tokens) < 0.15 and len(train_tokens) > 1_800_000
+    other = need_shared(SHARED_DATA / 'tinystories_hf_validation_head.txt')
+    with pytest.raises(data.DataError, match='is not the head of the TinyStories V1 file'):
+        data.prepare('tinystories_slice', str(tmp_path / 'c'), source=str(other))
