@@ -3,6 +3,7 @@ Run a grid of experiments over seeds, keep each run's result, and compare the me
 
     python sweep.py cpu_methods --jobs=2      # run (skips runs with a result file, resumes interrupted ones)
     python sweep.py cpu_methods --report      # table and plot from results/cpu_methods/*.json, no training
+    python sweep.py cpu_study --report --references=prenorm,block_attnres,mhc_lite   # paired with these
     python sweep.py char --print              # the commands, one per line, for a cluster scheduler
     python sweep.py mine --configs=config/cpu_study.py --seeds=0,1,2 \
         --variants="--residual=prenorm; --residual=hc --hc_streams=8"   # a grid given here: results/mine/
@@ -344,28 +345,29 @@ def verdict(mean, half):
     return 'unresolved' if abs(mean) <= half else ('lower' if mean < 0 else 'higher')
 
 
-def report(grid, runs_dir, results_dir):
+def report(grid, runs_dir, results_dir, references=REFERENCES):
     """Collect the finished runs under runs_dir (if any), then write results_dir/GRID/results.md and
-    results.png (with matplotlib) from the result files; return the markdown."""
+    results.png (with matplotlib) from the result files, every method paired with each of the
+    references; return the markdown."""
     for run in runs_of(grid, runs_dir):
         collect(run, results_dir)
     everything = load_results(grid, results_dir)
     if not everything:
         sys.exit(f"error: no results in {os.path.join(results_dir, grid)}; run `python sweep.py {grid}` first")
     results = [r for r in everything if r['final'] is not None]  # the diverged ones are listed, not compared
-    rows = comparisons(results)
+    rows = comparisons(results, references)
     ratios = step_ratios(grid, results_dir)
     timed = equal_time(results, ratios) if ratios else {}
-    head = ' | '.join(f"vs {ref}: mean diff +- 95% CI" for ref in REFERENCES)
+    head = ' | '.join(f"vs {ref}: mean diff +- 95% CI" for ref in references)
     extra = " step time x prenorm | at prenorm's time: vs prenorm | time to prenorm's loss |" if ratios else ''
     lines = [f"| config | method | seeds | val loss (nats) | bpc | {head} |" + extra,
-             '|---|---|---:|---:|---:|' + '---|' * len(REFERENCES) + ('---:|---|---:|' if ratios else '')]
+             '|---|---|---:|---:|---:|' + '---|' * len(references) + ('---:|---|---:|' if ratios else '')]
     for row in rows:
         values = list(row['losses'].values())
         mean, std = statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
         bpc = f"{mean / math.log(2):.4f}" if row['char_level'] else '-'
         cells = []
-        for ref in REFERENCES:
+        for ref in references:
             if ref not in row['versus']:
                 cells.append('-')
                 continue
@@ -395,7 +397,7 @@ def report(grid, runs_dir, results_dir):
     out = os.path.join(results_dir, grid)
     with open(os.path.join(out, 'results.md'), 'w') as f:
         f.write(markdown)
-    plot(results, rows, os.path.join(out, 'results.png'))
+    plot(results, rows, os.path.join(out, 'results.png'), references)
     return markdown
 
 
@@ -444,7 +446,7 @@ def final_loss_by_group(ax, results, groups, methods, colors):
     ax.legend(fontsize=7)
 
 
-def plot(results, rows, path):
+def plot(results, rows, path, references=REFERENCES):
     """Left: the validation curves, mean over seeds with the min-max band. Where the grid has several
     configs, the final val loss against them (cpu_depth: against depth). Then, per reference, the
     paired differences with their 95% intervals (per config, methods side by side)."""
@@ -458,7 +460,7 @@ def plot(results, rows, path):
     groups = list(dict.fromkeys(r['group'] for r in results))
     methods = list(dict.fromkeys(r['method'] for r in results))
     colors = {m: plt.cm.tab10(k % 10) for k, m in enumerate(methods)}
-    references = [ref for ref in REFERENCES if any(ref in row['versus'] for row in rows)]
+    references = [ref for ref in references if any(ref in row['versus'] for row in rows)]
     trend = len(groups) > 1
     fig, axes = plt.subplots(1, 1 + trend + len(references), figsize=(6 + 5 * (trend + len(references)), 5),
                              layout='constrained', squeeze=False)
@@ -524,9 +526,11 @@ def grid_from_command_line(opts):
 
 
 def main(argv):
-    usage = (f"usage: python sweep.py GRID [--jobs=N] [--print] [--report] [--runs_dir=DIR] [--results_dir=DIR]; "
+    usage = (f"usage: python sweep.py GRID [--jobs=N] [--print] [--report] [--runs_dir=DIR] [--results_dir=DIR] "
+             f"[--references=prenorm,block_attnres,...]; "
              f"GRID: {', '.join(GRIDS)}, or a new name with --configs=... --variants=... [--seeds=0,1,2]")
-    opts = dict(jobs='1', runs_dir='runs', results_dir=os.path.join(ROOT, 'results'), configs='', variants='', seeds='0')
+    opts = dict(jobs='1', runs_dir='runs', results_dir=os.path.join(ROOT, 'results'), configs='', variants='', seeds='0',
+                references=','.join(REFERENCES))
     flags, grids = set(), []
     for arg in argv:
         key, eq, value = arg.removeprefix('--').partition('=')
@@ -551,16 +555,16 @@ def main(argv):
     elif grid not in GRIDS and not ('report' in flags and os.path.isdir(os.path.join(opts['results_dir'], grid))):
         sys.exit(f"error: no grid {grid!r}: name one of {', '.join(GRIDS)}, or give a new one with --configs and "
                  f"--variants (with --report alone: the results in {os.path.join(opts['results_dir'], grid)})")
-    runs = list(runs_of(grid, opts['runs_dir']))
+    runs, references = list(runs_of(grid, opts['runs_dir'])), tuple(opts['references'].split(','))
     if 'print' in flags:
         for run in runs:
             if state(run, opts['results_dir']) != 'done':
                 print(' '.join(['python', *command(run)[1:]]).replace(ROOT + os.sep, ''))
     elif 'report' in flags:
-        print(report(grid, opts['runs_dir'], opts['results_dir']))
+        print(report(grid, opts['runs_dir'], opts['results_dir'], references))
     else:
         execute(runs, int(opts['jobs']), opts['results_dir'])
-        print(report(grid, opts['runs_dir'], opts['results_dir']))
+        print(report(grid, opts['runs_dir'], opts['results_dir'], references))
 
 
 if __name__ == '__main__':
