@@ -173,6 +173,14 @@ def test_methods_page_has_a_section_for_every_registered_method_in_order():
     assert sections == list(RESIDUALS), f"docs/METHODS.md's method sections {sections}, RESIDUALS {list(RESIDUALS)}"
 
 
+def test_the_readme_methods_table_has_a_row_for_every_registered_method_in_order():
+    """README's methods table (its `--residual=` column) lists RESIDUALS, in the registry's order."""
+    with open(os.path.join(ROOT, 'README.md'), encoding='utf-8') as f:
+        section = f.read().split('\n## Methods\n')[1].split('\n## ')[0]
+    rows = re.findall(r'^\| `(\w+)` \|', section, re.M)
+    assert rows == list(RESIDUALS), f"README's methods table {rows}, RESIDUALS {list(RESIDUALS)}"
+
+
 def user_files():
     """What a user's clone holds beside the tests, CI and the results: the scripts, the pages and
     the configs."""

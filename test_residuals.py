@@ -102,16 +102,19 @@ def test_each_method_is_at_init_what_its_class_declares(residual, knobs):
     """A class's `equals_at_init` names the registered method whose logits it gives at init with the
     same shared weights (float64, within 1e-10 of their scale): a wrong init (a zero-init matrix drawn
     at random) or a dropped term fails here. None declares that no method does, and then it must differ
-    from prenorm's, so that an unnoticed reduction to prenorm fails too."""
+    from prenorm's, so that an unnoticed reduction to prenorm fails too. Where a knob decides it, the
+    class declares a staticmethod equals_at_init(config) giving one or the other."""
     cls = RESIDUALS[residual]
     assert hasattr(cls, 'equals_at_init'), (f"{cls.__name__} declares no equals_at_init: name the registered "
                                             f"method it equals at init, or None (residuals.py's docstring)")
-    declared = cls.equals_at_init
+    models = {residual: tiny_model(residual, n_layer=4, **knobs)}
+    declared = cls.equals_at_init(models[residual].config) if callable(cls.equals_at_init) else cls.equals_at_init
     assert declared is None or declared in RESIDUALS, f"{cls.__name__}.equals_at_init = {declared!r} is not registered"
     idx = torch.randint(27, (2, 16), generator=torch.Generator().manual_seed(0))
     logits = {}
     for name in (residual, declared or 'prenorm'):
-        model = tiny_model(name, n_layer=4, **knobs).double()
+        model = models.get(name) or tiny_model(name, n_layer=4, **knobs)
+        model.double()
         model.set_kernels('reference')
         logits[name] = model(idx, idx)[0]
     got, want = logits[residual], logits[declared or 'prenorm']
@@ -184,8 +187,12 @@ def test_a_method_added_as_the_readme_says_passes_the_suite(tmp_path):
     code = re.search(r'```python\n(.*?)```', section, re.S).group(1)
     with open(copy / 'residuals.py', 'a') as f:
         f.write('\n\n' + code)
-    with open(copy / 'docs' / 'METHODS.md', 'a') as f:
-        f.write('\n## `mine`: my residual\n\nClass `MyResidual`: x <- x + g_i f_i(x), g_i = 1 at init.\n')
+    methods = (copy / 'docs' / 'METHODS.md').read_text().replace('---\n\n## Fast paths', '## `mine`: my residual\n\n'
+                                                                   'Class `MyResidual`: x <- x + g_i f_i(x).\n\n---\n\n## Fast paths')
+    (copy / 'docs' / 'METHODS.md').write_text(methods)
+    readme = (copy / 'README.md').read_text()
+    last_row = re.findall(r'^\| `\w+` \|.*\|$', readme.split('\n## Methods\n')[1].split('\n## ')[0], re.M)[-1]
+    (copy / 'README.md').write_text(readme.replace(last_row, last_row + '\n| `mine` | `x <- x + g f(x)` | `MyResidual` | mine |'))
     tests = ['test_docs.py', 'test_residuals.py', 'test_decode.py', 'test_kernels.py',
              '-k', 'mine or test_docs or knob_has or (operators and pinned and torch)']
     result = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', *tests], cwd=copy,
@@ -819,7 +826,11 @@ def test_config_validates_each_knob_in_one_place():
                          ({'residual': 'frac', 'n_embd': 30, 'n_head': 2, 'frac_parts': 4}, 'must divide n_embd=30'),
                          ({'frac_parts': 0}, 'frac_parts must be at least 1'),
                          ({'residual': 'laurel_lr', 'n_embd': 16, 'n_head': 2, 'laurel_rank': 17},
-                          'laurel_rank=17 must be at most n_embd=16'), ({'laurel_rank': 0}, 'laurel_rank')]:
+                          'laurel_rank=17 must be at most n_embd=16'), ({'laurel_rank': 0}, 'laurel_rank'),
+                         ({'wav_rho': 0.0}, 'wav_rho must be > 0'), ({'hc_streams': 0}, 'hc_streams must be at least 1'),
+                         ({'mgr_streams': 0}, 'mgr_streams must be at least 1'), ({'wav_levels': 0}, 'wav_levels'),
+                         ({'denseformer_period': 0}, 'denseformer_period must be at least 1'),
+                         ({'dropout': 1.0}, 'dropout must be in')]:
         with pytest.raises(ValueError, match=message):
             GPTConfig(**bad)
     with pytest.raises(ValueError, match=r'initial gate .* must be below 1; use a lower mgr_b_base'):

@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 import configurator
 import data
+import kernels as kernels_module
 from kernels import resolve as resolve_kernels
 from model import COMPILE_MODES, COMPILE_SCOPES, GPT, GPTConfig, CheckpointError, load_checkpoint, save_checkpoint
 from residuals import RESIDUALS
@@ -289,7 +290,9 @@ def announce(cfg, proc, ds, model, kernels_used):
               f"passes over the {train_tokens:,}-token train split", file=sys.stderr)
     print(f"{cfg['residual']}: {model.get_num_params() / 1e6:.3f}M parameters, {cfg['dataset']} "
           f"(vocab {ds.vocab_size}), {tokens_per_step(cfg):,} tokens/step, {proc.world} process(es) on "
-          f"{proc.device} {proc.dtype}, kernels {kernels_used}")
+          f"{proc.device} {proc.dtype}, kernels {kernels_used}"
+          + ('' if type(model.residual) in kernels_module.FAST or kernels_used == 'reference' else
+             " (no twin: the class's own forward)"))
 
 
 @dataclass
