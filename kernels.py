@@ -42,12 +42,13 @@ custom ops that launch them.
    the backward). WAV's RMS matching of its details is done by the reads as they read them (Matched):
    no matched copy, nor a pass to scale their gradients.
 
-3. HC and mHC-lite keep n copies of the stream; plain autograd saves them at every sublayer (2.1-2.7x
-   prenorm's activation memory). The twin keeps only each segment's input streams, the sublayers'
+3. HC and the mHC family (mHC, mHC-lite, KromHC) keep n copies of the stream; plain autograd saves them
+   at every sublayer (2.1-2.7x prenorm's activation memory). The twin keeps only each segment's input streams, the sublayers'
    updates and what their connections are computed from (a few numbers per token), rebuilds the
    streams in the backward as the mHC paper recomputes its kernels (1.2x), and writes every gradient
    by hand (HCStep, MHCStep): batched products per token for the mixing, none of autograd's per-op
-   copies or per-sublayer parameter rows. With Triton, a sublayer's step (the streams' RMS, HC's
+   copies or per-sublayer parameter rows (mHC's and KromHC's H_res: its own class's mixing, through
+   autograd on its few logits a token; they have no Triton kernel, and triton runs this twin). With Triton, a sublayer's step (the streams' RMS, HC's
    projection XW, the connections from it, the mixing) is one kernel forward and one backward
    (mHC-lite's projection: GEMMs beside them); the replay reuses the forward kernel on the saved XW.
    Between two sublayers the kernels carry the streams as the last H', post and f(h), and each step's
@@ -1217,7 +1218,8 @@ class MHCStep(TorchStreamStep):
         grad_H.addcmul_(gates[:, :n, None], grad_h.unsqueeze(1))  # h = H_pre H
         d_pre = torch.bmm(grad_h.unsqueeze(1), H.mT).view(N, n)  # (a row times H^T: on a CPU 9x faster than H g)
         d_res = self.residual_backward(logits[:, 2 * n:], torch.bmm(grad_mixed, H.mT).view(N, -1))
-        d_logits = torch.cat([torch.ops.aten.sigmoid_backward(torch.cat([d_pre, 2 * grad_post], -1), gates), d_res], -1)
+        d_gates = torch.ops.aten.sigmoid_backward(torch.cat([d_pre, 2 * grad_post], -1), gates)
+        d_logits = torch.cat([d_gates, d_res], -1)
         # P = r (X W): d X = r (d_P W^T) - (r^2 / (n C)) (d_P . P) X, d W = X^T (r d_P), d_P = a d_logits (the a
         # in W_scaled_t and in take()); d_P . P from the per-column products d_logits P, which d a sums too
         dP_P = d_logits * P
