@@ -7,7 +7,8 @@ For each checkpoint, on a fixed batch of its validation split (the model runs it
 --kernels=reference, watched by PyTorch forward hooks; nothing in the model is replaced):
 - activations: RMS and max-abs of every sublayer's input (before its own pre-norm), per sublayer:
   the hidden state that grows with depth under PreNorm (the AttnRes papers' motivation, and MGR's
-  claim); and its growth, the last sublayer's input RMS over layer 1's first (one number per run);
+  claim); and its growth, the last sublayer's input RMS over the first's and over layer 1's first
+  (two numbers per run);
 - routing (AttnRes family, WAV): the mean softmax weight of each reader on each source, and for
   WAV the total weight on detail sources per reader; DenseFormer: its DWA weights alpha (the
   paper's matrix: a row per average, a column per stored state); MUDDFormer: the mean dynamic
@@ -120,11 +121,12 @@ def watch(model, rec):
 
 
 def activation_stats(inputs):
-    """Per sublayer, the RMS and max |h| of its input, and the growth: the last sublayer's input RMS over
-    the third's (layer 1's attention, the first input past layer 0: the embedding's own scale left out)."""
+    """Per sublayer, the RMS and max |h| of its input, and its growth with depth: the last sublayer's
+    input RMS over the first's (the embedding's, for most methods) and over the third's (layer 1's
+    attention: the growth past layer 0, whose first update sets the scale)."""
     rms = [h.pow(2).mean().sqrt().item() for h in inputs]
     return {'rms': rms, 'max_abs': [h.abs().max().item() for h in inputs],
-            'growth': rms[-1] / rms[2] if len(rms) > 2 else None}
+            'growth': {'from_first': rms[-1] / rms[0], 'past_layer_0': rms[-1] / rms[2] if len(rms) > 2 else None}}
 
 
 def routing_stats(reads):
@@ -325,8 +327,8 @@ def main(argv):
     for r in results:
         act, growth = r['activations'], r['activations']['growth']
         print(f"{r['checkpoint']}: {r['residual']}, val loss {r['pruning']['val_loss']:.4f}, input RMS "
-              f"{act['rms'][0]:.3f} -> {act['rms'][-1]:.3f} over {len(act['rms'])} sublayers"
-              + (f" (growth past layer 0: {growth:.2f}x)" if growth else '')
+              f"{act['rms'][0]:.3f} -> {act['rms'][-1]:.3f} over {len(act['rms'])} sublayers ({growth['from_first']:.2f}x"
+              + (f"; past layer 0: {growth['past_layer_0']:.2f}x)" if growth['past_layer_0'] else ')')
               + f", most harmful layer to skip: {max(range(len(r['pruning']['increase'])), key=r['pruning']['increase'].__getitem__)}")
     print(f"wrote {os.path.join(cfg['report_dir'], 'analysis.json')}" + (f" and {', '.join(written)}" if written else ''))
 

@@ -270,9 +270,10 @@ def test_activations_of_silent_sublayers_are_the_embedding_at_every_depth():
     e = model.transformer.wte(idx) + model.transformer.wpe(torch.arange(16))
     assert stats['rms'] == pytest.approx([e.pow(2).mean().sqrt().item()] * 6, rel=1e-6)
     assert stats['max_abs'] == pytest.approx([e.abs().max().item()] * 6, rel=1e-6)
-    assert stats['growth'] == pytest.approx(1.0, rel=1e-6)  # nothing grows: every input is e
+    assert stats['growth'] == pytest.approx({'from_first': 1.0, 'past_layer_0': 1.0}, rel=1e-6)  # every input is e
     grown = analyze.activation_stats([torch.ones(2), torch.ones(2), torch.full((2,), 2.0), torch.full((2,), 7.0)])
-    assert grown['growth'] == 3.5 and analyze.activation_stats([torch.ones(2)] * 2)['growth'] is None
+    assert grown['growth'] == {'from_first': 7.0, 'past_layer_0': 3.5}
+    assert analyze.activation_stats([torch.ones(2)] * 2)['growth']['past_layer_0'] is None
 
 
 def test_a_grid_of_several_products_runs_in_their_order_and_pairs_over_the_seeds_both_have(tmp_path, monkeypatch):
