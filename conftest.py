@@ -66,6 +66,16 @@ TRITON_MARKS = [needs_triton, pytest.mark.skipif(KERNEL_DEVICE.type == 'cuda',
 BACKENDS = ['reference', 'torch', pytest.param('triton', marks=TRITON_MARKS)]
 
 
+def on_paths(variants):
+    """(method, knobs, backend) for each variant on each backend that runs a path of its own: the class
+    (reference), and where the class has a twin, the twin (torch) and its kernels (triton). A method
+    without one runs its class on every backend: the reference's case tests it."""
+    return [pytest.param(*variant.values, backend, id=f'{variant.id}-{backend}',
+                         marks=TRITON_MARKS if backend == 'triton' else ())
+            for variant in variants for backend in ('reference', 'torch', 'triton')
+            if backend == 'reference' or RESIDUALS[variant.values[0]] in kernels.FAST]
+
+
 def on_backends(cases, through_triton):
     """Parameters (*case, backend): every case on reference and torch, and the cases in through_triton
     on triton too (its interpreter runs the kernels some 100x slower than PyTorch)."""

@@ -11,14 +11,14 @@ import bench
 import kernels
 import sample
 import train
-from conftest import BACKENDS, KERNEL_DEVICE, METHODS, TINY_TRAIN, VARIANTS, exit_message, randomize_routing, tiny_model
+from conftest import BACKENDS, KERNEL_DEVICE, METHODS, TINY_TRAIN, VARIANTS, on_paths, exit_message, randomize_routing, tiny_model
 from model import KVCache
 from residuals import RESIDUALS
 
 
 def decoding_model(residual, backend, dtype=torch.float64, **overrides):
     """A tiny model with random routing (no zero init hides a term), in eval mode on backend."""
-    model = tiny_model(residual, n_layer=4, block_size=16, **overrides)
+    model = tiny_model(residual, n_layer=4, **{'block_size': 16, **overrides})
     randomize_routing(model)
     model.to(dtype).eval().set_kernels(backend)
     return model
@@ -31,30 +31,35 @@ def tokens_run(model):
     return counts
 
 
-@pytest.mark.parametrize('backend', BACKENDS)
-@pytest.mark.parametrize('residual,knobs', VARIANTS)
+# the Triton kernels through the interpreter, which runs every program in Python: each method at its
+# defaults (its knobs' values: on the other backends, and the kernels' own tests), in a window of 8
+GREEDY_CASES = [p for p in on_paths(VARIANTS) if p.values[2] != 'triton' or not p.values[1]]
+
+
+@pytest.mark.parametrize('residual,knobs,backend', GREEDY_CASES)
 def test_cached_greedy_decoding_gives_the_uncached_tokens(residual, knobs, backend):
-    """Greedy decoding of two prompts, in float64, well past block_size = 16 (the window jumps twice):
-    the same tokens with the cache as without, and the cached path runs each new token alone (the
-    prompt once, then one position a forward, and the kept half of the window again at each jump)."""
-    model = decoding_model(residual, backend, **knobs)
-    prompt = torch.randint(27, (2, 5), generator=torch.Generator().manual_seed(0))
-    new = 14 if backend == 'triton' else 30  # the interpreter runs every program in Python
+    """Greedy decoding of two prompts, in float64, well past block_size (the window jumps twice): the
+    same tokens with the cache as without, and the cached path runs each new token alone (the prompt
+    once, then one position a forward, and the kept half of the window again at each jump)."""
+    window, prompt_length, new = (8, 3, 12) if backend == 'triton' else (16, 5, 30)
+    model = decoding_model(residual, backend, block_size=window, **knobs)
+    prompt = torch.randint(27, (2, prompt_length), generator=torch.Generator().manual_seed(0))
     counts = tokens_run(model)
     cached = model.generate(prompt, new, top_k=1, kv_cache=True)
     ran_cached, counts[:] = list(counts), []
     uncached = model.generate(prompt, new, top_k=1, kv_cache=False)
     assert torch.equal(cached, uncached)
-    # by the tokens in hand at each step: a 17th makes the window jump to the last 8 (a prefill of 8),
-    # which fill it again 8 tokens later, so it jumps at 17, 26, 35, ...
-    lengths = range(6, 5 + new)
-    assert ran_cached == [5] + [8 if n >= 17 and (n - 17) % 9 == 0 else 1 for n in lengths]
-    assert max(counts) == 16 and sum(counts) > 3 * sum(ran_cached)  # without the cache: the whole window each time
+    # by the tokens in hand at each step: one more than the window makes it jump to the last half (a
+    # prefill of window / 2), which fills it again window / 2 tokens later: jumps every window / 2 + 1
+    lengths = range(prompt_length + 1, prompt_length + new)
+    jump = lambda n: n > window and (n - window - 1) % (window // 2 + 1) == 0
+    assert ran_cached == [prompt_length] + [window // 2 if jump(n) else 1 for n in lengths]
+    assert sum(map(jump, lengths)) == 2
+    assert max(counts) == window and sum(counts) > 2 * sum(ran_cached)  # uncached: the whole window each time
 
 
-@pytest.mark.parametrize('backend', BACKENDS)
-@pytest.mark.parametrize('residual', METHODS)
-def test_cached_logits_equal_the_full_forward(residual, backend):
+@pytest.mark.parametrize('residual,knobs,backend', on_paths(VARIANTS[:len(METHODS)]))  # (their defaults)
+def test_cached_logits_equal_the_full_forward(residual, knobs, backend):
     """In float32, a batch of two: a prompt of 5 positions, a chunk of 3 (the queries see the cached
     positions and the chunk's own earlier ones), then one position a forward to block_size: the last
     position's logits equal those of the whole sequence so far run without a cache, within float32's

@@ -16,7 +16,7 @@ from torch.func import functional_call
 
 import data
 import kernels
-from conftest import (KERNEL_DEVICE, METHODS, VARIANTS, REAL_TEXT, TRITON_MARKS, assert_clean_error, fake_sublayers,
+from conftest import (KERNEL_DEVICE, METHODS, VARIANTS, REAL_TEXT, on_paths, TRITON_MARKS, assert_clean_error, fake_sublayers,
                       needs_triton, randomize_routing, rel_rms, routing, run_cli, tiny_model)
 from residuals import RESIDUALS, DepthAttention, rms_norm
 
@@ -752,8 +752,7 @@ def test_every_triton_kernel_compiles_for_a_cuda_gpu():
 
 # ----------------------------------------------------------------------------- every fast path in float64; launches
 
-@pytest.mark.parametrize('backend', ['torch', pytest.param('triton', marks=TRITON_MARKS)])
-@pytest.mark.parametrize('residual,knobs', VARIANTS)
+@pytest.mark.parametrize('residual,knobs,backend', [p for p in on_paths(VARIANTS) if p.values[2] != 'reference'])
 def test_every_fast_path_equals_the_reference_in_float64(residual, knobs, backend, few_programs):
     """Every method's fast path (the twins of kernels.py, the Triton kernels) computes at its inputs'
     precision: in float64 its output and the gradients of e and of every routing parameter equal the
@@ -849,7 +848,7 @@ def test_bytes_counted_on_fake_tensors_are_those_of_a_real_step(backend):
     token, under 0.1%), in bfloat16 autocast."""
     import bench
     shape, cfg = dict(n_layer=4, n_embd=32, n_head=2, block_size=8), dict(seed=0, vocab_size=96, mgr_fallback_p=1)
-    for name in METHODS:
+    for name in [m for m in METHODS if backend == 'torch' or RESIDUALS[m] in kernels.FAST]:  # (no twin: as torch)
         for ctx in (contextlib.nullcontext(), torch.autocast(KERNEL_DEVICE.type, dtype=torch.bfloat16)):
             fake, real = (bench.bytes_moved(name, shape, 2, KERNEL_DEVICE, ctx, backend, cfg, fake=f) for f in (True, False))
             if isinstance(ctx, contextlib.nullcontext):

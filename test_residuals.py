@@ -18,7 +18,7 @@ import data
 import kernels
 import residuals
 import train
-from conftest import (BACKENDS, KNOB_VALUES, METHODS, ROOT, VARIANTS, on_backends, README, REAL_TEXT, TINY_TRAIN,
+from conftest import (BACKENDS, KNOB_VALUES, METHODS, ROOT, VARIANTS, on_backends, on_paths, README, REAL_TEXT, TINY_TRAIN,
                       fake_sublayers, randomize_routing, rel_rms, routing, tiny_model, unigram_entropy)
 from model import GPT, GPTConfig, method_knobs
 from residuals import RESIDUALS, DepthAttention
@@ -37,8 +37,7 @@ def read_weights(router):
 
 # ----------------------------------------------------------------------------- every method
 
-@pytest.mark.parametrize('backend', BACKENDS)
-@pytest.mark.parametrize('residual,knobs', VARIANTS)
+@pytest.mark.parametrize('residual,knobs,backend', on_paths(VARIANTS))
 def test_causality(residual, knobs, backend):
     """Changing tokens t+1.. leaves the logits at 0..t unchanged (with random routing parameters)."""
     model = tiny_model(residual, n_layer=4, **knobs)
@@ -71,8 +70,7 @@ def test_training_lowers_val_loss_on_real_text(residual, tmp_path, data_dir):
     assert metrics['val_bpc'] == pytest.approx(metrics['val_loss'] / math.log(2))
 
 
-@pytest.mark.parametrize('backend', BACKENDS)
-@pytest.mark.parametrize('residual,knobs', VARIANTS)
+@pytest.mark.parametrize('residual,knobs,backend', on_paths(VARIANTS))
 def test_48_layers_give_finite_logits_and_gradients(residual, knobs, backend):
     """48 layers (through Triton's interpreter, which runs the same kernels some 100x slower, 12: at
     that depth every schedule still has several chunks or blocks, the last one short)."""
