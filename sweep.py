@@ -85,11 +85,12 @@ GRIDS = {
                            (('2e-3', '2e-4', ['--batch_size=32', '--max_iters=800']), ('2e-3', '2e-4', []),
                             ('4e-3', '4e-4', ['--batch_size=32', '--max_iters=800']))],
                   variants=[[f'--residual={r}'] for r in ('prenorm', 'block_attnres')], seeds=[0, 1, 2]),
-    # every registered method on the pilot's recipe, five seeds (7.8 hours of run time: about 4 with --jobs=2 on 2 cores)
-    # then MGR's other three settings of its paper
-    'cpu_study': [dict(configs=[['config/cpu_study.py']], variants=[[f'--residual={r}'] for r in RESIDUALS],
-                       seeds=[0, 1, 2, 3, 4]),
-                  dict(configs=[['config/cpu_study.py']], variants=MGR_VARIANTS[1:], seeds=[0, 1, 2, 3, 4])],
+    # every registered method on the pilot's recipe and MGR's other three settings of its paper, five seeds
+    # (about 8 hours with --jobs=2 on 2 cores), seed by seed, so that a method added later has a comparison
+    # after its first round
+    'cpu_study': [dict(configs=[['config/cpu_study.py']],
+                       variants=[*[[f'--residual={r}'] for r in RESIDUALS], *MGR_VARIANTS[1:]], seeds=[seed])
+                  for seed in range(5)],
     # ReZero stalls near the bigram plateau at cpu_study's learning rate: its sensitivity, two seeds
     'cpu_study_lr': dict(configs=[['config/cpu_study.py']],
                          variants=[['--residual=rezero', f'--learning_rate={lr}', f'--min_lr={lr / 10:g}']
