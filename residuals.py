@@ -372,7 +372,7 @@ class HyperConnections(nn.Module):
 
 class ManifoldCoefficients(nn.Module):
     """The mHC family's H_pre, H_post and H_res of every sublayer, per token, from x' = RMSNorm of the
-    flattened streams (mHC, arXiv 2512.24880, eq. 7-8):
+    flattened streams (mHC, arXiv 2512.24880):
 
         H_pre = sigmoid(a_pre x' W_pre + b_pre)      H_post = 2 sigmoid(a_post x' W_post + b_post)
         H_res = mixing(a_res x' W_res + b_res)       doubly stochastic: each subclass's own mixing

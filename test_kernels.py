@@ -838,6 +838,9 @@ def test_bytes_per_training_step_are_pinned(backend):
     off = {m: (round(moved[m] / moved['prenorm'], 3), want) for m, want in BYTES[backend].items()
            if abs(moved[m] / moved['prenorm'] - want) > 0.005}
     assert not off, f"(counted, pinned) bytes per training step x prenorm's changed: {off}"
+    unpinned = sorted(m for m in METHODS if RESIDUALS[m] in kernels.FAST and m not in BYTES[backend])
+    assert not unpinned, f"methods with a fast twin and no pinned bytes: {unpinned} (x prenorm's: " \
+        f"{ {m: round(moved[m] / moved['prenorm'], 3) for m in unpinned} })"
 
 
 @pytest.mark.parametrize('backend', ['torch', pytest.param('triton', marks=needs_triton)])
