@@ -42,19 +42,20 @@ custom ops that launch them.
    the backward). WAV's RMS matching of its details is done by the reads as they read them (Matched):
    no matched copy, nor a pass to scale their gradients.
 
-3. HC and the mHC family (mHC, mHC-lite, KromHC) keep n copies of the stream; plain autograd saves them
-   at every sublayer (2.1-2.7x prenorm's activation memory). The twin keeps only each segment's input streams, the sublayers'
-   updates and what their connections are computed from (a few numbers per token), rebuilds the
-   streams in the backward as the mHC paper recomputes its kernels (1.2x), and writes every gradient
-   by hand (HCStep, MHCStep): batched products per token for the mixing, none of autograd's per-op
-   copies or per-sublayer parameter rows (mHC's and KromHC's H_res: its own class's mixing, through
-   autograd on its few logits a token; they have no Triton kernel, and triton runs this twin). With Triton, a sublayer's step (the streams' RMS, HC's
-   projection XW, the connections from it, the mixing) is one kernel forward and one backward
-   (mHC-lite's projection: GEMMs beside them); the replay reuses the forward kernel on the saved XW.
-   Between two sublayers the kernels carry the streams as the last H', post and f(h), and each step's
-   kernels form H' + post^T f(h) as they read them: the streams' update is no pass of its own, forward,
-   replay or backward (its backward is in the next step's backward kernel; mHC-lite's, whose GEMMs
-   need the whole gradient, a kernel after them).
+3. HC and the mHC family (mHC, mHC-lite, KromHC) keep n copies of the stream; plain autograd saves
+   them at every sublayer (2.1-2.7x prenorm's activation memory). The twin keeps only each segment's
+   input streams, the sublayers' updates and what their connections are computed from (a few numbers
+   per token), rebuilds the streams in the backward as the mHC paper recomputes its kernels (1.2x),
+   and writes every gradient by hand (HCStep, MHCStep): batched products per token for the mixing,
+   none of autograd's per-op copies or per-sublayer parameter rows (mHC's and KromHC's H_res: its
+   own class's mixing, through autograd on its few logits a token; they have no Triton kernel, and
+   triton runs this twin). With Triton, a sublayer's step (the streams' RMS, HC's projection XW, the
+   connections from it, the mixing) is one kernel forward and one backward (mHC-lite's projection:
+   GEMMs beside them); the replay reuses the forward kernel on the saved XW. Between two sublayers
+   the kernels carry the streams as the last H', post and f(h), and each step's kernels form
+   H' + post^T f(h) as they read them: the streams' update is no pass of its own, forward, replay or
+   backward (its backward is in the next step's backward kernel; mHC-lite's, whose GEMMs need the
+   whole gradient, a kernel after them).
 
 4. MGR step: the gates, the streams' convex update and the next sublayer's AttnPool in one pass over
    the streams. Its backward can rebuild the input streams from the output streams by inverting the
