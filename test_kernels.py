@@ -21,6 +21,13 @@ from conftest import (KERNEL_DEVICE, METHODS, VARIANTS, REAL_TEXT, on_paths, TRI
 from residuals import RESIDUALS, DepthAttention, rms_norm
 
 
+def depth_mix(queries, bias, sources, backend, prior=None):
+    """One read of the backend's Reads (no pool) -> mixed (m, B, T, C) and lse (m, B, T), its rows
+    stacked."""
+    mixed, lse = zip(*kernels.reads(backend).rows(queries, bias, sources, prior))
+    return torch.stack(mixed), torch.stack(lse)
+
+
 @pytest.mark.parametrize('S,C,m,with_bias', [(1, 7, 1, False), (4, 13, 3, True), (11, 16, 2, True)])
 def test_depth_mix_hand_written_backward_matches_autograd(S, C, m, with_bias):
     """DepthMix (m queries, with the log-sum-exp for online merging) against the reference read of
@@ -86,7 +93,7 @@ def test_depth_mix_kernel_equals_its_reference(S, m, C, T, with_bias, few_progra
                                     + (lse * grad_lse.to(KERNEL_DEVICE, dtype)).sum(),
                                     [q] + ([b] if with_bias else []) + srcs)
         return [mixed, lse, grads[0]] + ([grads[1]] if with_bias else []) + [torch.stack(grads[-S:])]
-    got = run(kernels.triton_depth_mix, torch.float32)
+    got = run(lambda q, b, srcs: depth_mix(q, b, srcs, 'triton'), torch.float32)
     want = run(lambda q, b, srcs: kernels.DepthMix.apply(q, b, None, None, False, *srcs), torch.float64)
     for name, a, b in zip(['mixed', 'lse', 'd queries'] + ['d bias'] * with_bias + ['d sources'], got, want):
         assert a.dtype == torch.float32 and rel_rms(a, b) <= 1e-5, name
@@ -109,17 +116,17 @@ def test_depth_mix_with_a_prior_equals_one_read_of_every_source(S, split, m, wit
     inputs = [queries] + ([bias] if with_bias else []) + sources
 
     def merged(q, b, *srcs):
-        prior = kernels.depth_mix(q, None if b is None else b[:, :split], srcs[:split], backend)
-        return kernels.depth_mix(q, None if b is None else b[:, split:], srcs[split:], backend, prior)
+        prior = depth_mix(q, None if b is None else b[:, :split], srcs[:split], backend)
+        return depth_mix(q, None if b is None else b[:, split:], srcs[split:], backend, prior)
 
     def results(mix):
         mixed, lse = mix(queries, bias, *sources)
         grads = torch.autograd.grad((mixed * grad_mixed).sum() + (lse * grad_lse).sum(), inputs)
         return [mixed, lse, *grads]
-    got, want = results(merged), results(lambda q, b, *srcs: kernels.depth_mix(q, b, srcs, 'torch'))
+    got, want = results(merged), results(lambda q, b, *srcs: depth_mix(q, b, srcs, 'torch'))
     assert all(rel_rms(a, b) <= 1e-12 for a, b in zip(got, want)), [rel_rms(a, b) for a, b in zip(got, want)]
     if backend == 'torch':
-        prior = [t.detach().requires_grad_() for t in kernels.depth_mix(queries, None, sources[:split], backend)]
+        prior = [t.detach().requires_grad_() for t in depth_mix(queries, None, sources[:split], backend)]
         more = lambda q, pm, pl, *srcs: kernels.DepthMix.apply(q, None, pm, pl, False, *srcs)
         assert torch.autograd.gradcheck(more, [queries, *prior, *sources[split:]])
 
@@ -139,7 +146,7 @@ def test_depth_mix_kernel_reads_sources_of_mixed_dtypes_as_they_are(dtypes):
     read, low = kernels.readable(sources, torch.float64)
     if len(set(dtypes)) == 2:
         assert all(r is v for r, v in zip(read, sources)) and low.dtype == torch.float32
-    mixed = kernels.triton_depth_mix(queries, None, sources)[0]
+    mixed = depth_mix(queries, None, sources, 'triton')[0]
     assert mixed.dtype == torch.float64
     g = torch.randn(mixed.shape, generator=gen, dtype=torch.float64).to(KERNEL_DEVICE)
     grads = torch.autograd.grad(mixed, sources, g)
@@ -441,7 +448,7 @@ def dense_run(residual, knobs, n_layer, backend, dtype=torch.float64, inner=None
 @pytest.mark.parametrize('residual', ['attnres', 'block_attnres', 'delta_attnres', 'wav'])
 def test_shared_source_gradients_equal_the_class_twice_and_from_an_inner_sublayer(residual, backend):
     """In eager mode a finished source's gradient is one tensor that every later read adds its share
-    to, handed to autograd by the source's first reader (kernels.SharedGrads; the PyTorch twin also
+    to, handed to autograd by the source's first reader (kernels.Reads; the PyTorch twin also
     computes each such source's 1/RMS once). In float64
     (blocks of one layer: each source read by up to five later reads): the output and every gradient
     equal the class's within 1e-10, from the output and from an inner sublayer's input (the later
