@@ -18,13 +18,15 @@ Index. Each family: what it computes (equations, forward and backward), its PyTo
 Triton kernels (defined where triton imports), the custom ops that launch them, its autograd
 Functions, and the schedule its methods run, which reads the backend once.
 
-    helpers          rms_inverse, token_tile, accumulator, on_device, ...
+    helpers          rms_inverse, token_tile, accumulator, on_device, GradPool (the gradients
+                     that several backwards give one tensor), ...
     1. depth mix     m queries read S sources in one pass: mix_torch, _depth_mix_fwd/_bwd,
                      _triton_depth_mix, DepthMix, SharedRead; Reads (many, continued, one,
-                     matched) and reads(backend), which every schedule below reads through
+                     matched) and reads(backend), through which sections 2 and 4 read
     2. AttnRes, WAV  attnres, delta_attnres, block_attnres, wav: two-phase reads
-    3. HC, mHC       streams: TorchStreams (HCStep, MHCStep, MHCLiteStep) or TritonStreams
-                     (_stream_mix_fwd/_bwd); the streams rebuilt in the backward (StreamSegment)
+    3. HC, mHC       hc, mhc: streams, with TorchStreams (HCStep, MHCStep, MHCLiteStep) or
+                     TritonStreams (_stream_mix_fwd/_bwd); the streams rebuilt in the backward
+                     (StreamSegment)
     4. MGR           mgr: MGRStep, the fused step (gates, update, AttnPool), its backward
                      inverting the update; TORCH_STEP or TRITON_STEP
     5. Dense, MUDD   denseformer, mudd: the states in one buffer (DenseStates, DenseMix);
@@ -158,6 +160,39 @@ def promoted(sources, dtype):
     return [v.to(dtype).contiguous() for v in sources]
 
 
+class GradPool:
+    """Gradients gathered across the backwards of one forward, where several reads or steps give
+    one tensor its gradient: each backward puts its share under a key (a source of the depth reads,
+    a sublayer's rows of the stacked stream parameters), added to what is there, and the owner, the
+    last of them to run backward (the first in the forward), takes the total and hands it to
+    autograd; the others return None for it, so autograd sums nothing. A backward that stops short
+    of the owner (autograd.grad with inputs inside the model) leaves its shares for a second
+    backward through the same graph."""
+
+    def __init__(self):
+        self.shares = {}
+
+    def share(self, key):
+        """What has been put under key, or None."""
+        return self.shares.get(key)
+
+    def put(self, key, share):
+        self.shares[key] = share
+
+    def take(self, key):
+        """What has been put under key, taken out of the pool."""
+        return self.shares.pop(key)
+
+    def take_stacked(self, L):
+        """Everything put, under the keys 0..L-1 (a tuple of rows each), stacked over the keys, one
+        tensor per place in the tuple (zeros where nothing was put: a backward from an inner
+        sublayer), and taken."""
+        rows, self.shares = self.shares, {}
+        first = next(iter(rows.values()))
+        return [torch.stack([rows[i][k] if i in rows else torch.zeros_like(first[k])
+                             for i in range(L)]) for k in range(len(first))]
+
+
 # ================================================================================= 1. the depth mix
 #
 # m queries q_j (C,) read a list of S sources v_s (B, T, C), with a bias b_js or none; per token:
@@ -177,9 +212,6 @@ def promoted(sources, dtype):
 #
 # A read of WAV's matched detail (Matched) reads D and scales it by s = min(rho, RMS(state) /
 # (RMS(D) + eps)) as it reads it (s detached: dD = s dD~).
-#
-# Order: the PyTorch functions; the Triton kernels; their custom ops; the autograd Functions; Reads,
-# the reads the schedules make, and `reads(backend)`, the family's one choice of backend.
 
 # ---------------------------------------------------------------------------- the PyTorch functions
 
@@ -537,6 +569,18 @@ def contiguous(t):
     return None if t is None else t.contiguous()
 
 
+def read_inputs(queries, bias, prior_mixed, prior_lse, mixed, lse, low):
+    """The arguments of both depth-mix kernels that give a read's inputs and the types of its rows
+    (the kernels take the rows themselves by their addresses in the table)."""
+    return dict(LOW=mixed[0] if low is None else low,  # (its pointer type)
+                Q=queries.contiguous(),                # (m, C)
+                BIAS=contiguous(bias),                 # (m, S) or None
+                PRIOR=contiguous(prior_mixed),         # (m, B, T, C) or None
+                PRIOR_LSE=contiguous(prior_lse),       # (m, B, T) or None
+                OUT=mixed[0],                          # (its pointer type)
+                LSE=lse[0])                            # (its pointer type)
+
+
 # ----------------------------------------------------------------------------------- the custom ops
 
 @torch.library.custom_op('resroute::depth_mix', mutates_args=())
@@ -557,13 +601,7 @@ def _triton_depth_mix(queries: Tensor, bias: Optional[Tensor], sources: List[Ten
     BT = token_tile(m, C, N)
     _depth_mix_fwd[(triton.cdiv(N, BT),)](
         table=source_table(sources, match, dtype, rows=mixed + lse),
-        LOW=mixed[0] if low is None else low,
-        Q=queries.contiguous(),
-        BIAS=contiguous(bias),
-        PRIOR=contiguous(prior_mixed),
-        PRIOR_LSE=contiguous(prior_lse),
-        OUT=mixed[0],
-        LSE=lse[0],
+        **read_inputs(queries, bias, prior_mixed, prior_lse, mixed, lse, low),
         S=S, M=m, N=N, C=C, eps=RMS_EPS, rho=rho, match_eps=MATCH_EPS,
         HAS_BIAS=bias is not None, HAS_PRIOR=prior_mixed is not None, ACC=acc_tl,
         BM=next_pow2(m), BT=BT, BC=next_pow2(C))
@@ -667,13 +705,7 @@ def _depth_mix_backward_into(queries, bias, sources, match, rho, prior_mixed, pr
     _depth_mix_bwd[(programs,)](
         table=source_table(sources, match, dtype, grads, add,
                            [*mixed, *lse, *grad_mixed, *grad_lse]),
-        LOW=mixed[0] if low is None else low,
-        Q=queries.contiguous(),
-        BIAS=contiguous(bias),
-        PRIOR=contiguous(prior_mixed),
-        PRIOR_LSE=contiguous(prior_lse),
-        OUT=mixed[0],
-        LSE=lse[0],
+        **read_inputs(queries, bias, prior_mixed, prior_lse, mixed, lse, low),
         G=given(grad_mixed, mixed[0]),  # (for their pointer types)
         GLSE=given(grad_lse, lse[0]),
         DQ=dq,
@@ -755,7 +787,7 @@ class SharedRead(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_out):
         dq, db, sources = ctx.reads.backward_pooled(ctx, grad_out)
-        owned = [cast(ctx.reads.grads.pop(key), v.dtype) if own else None
+        owned = [cast(ctx.reads.pool.take(key), v.dtype) if own else None
                  for key, own, v in zip(ctx.keys, ctx.owned, sources)]
         return dq, db, None, None, None, None, None, *owned
 
@@ -773,18 +805,15 @@ class Reads:
 
     and matched(details, state, rho), WAV's RMS-matched details as the reads take them.
 
-    The gradient pool (eager only; compiled, the compiler plans the sums): the sources that many
-    and one read are the finished sources of the forward, which every later block's phase-1 read
-    and the output mixer read again. Each such source has one gradient tensor, which every read's
-    backward adds its share to; its first reader, the last to run backward, hands it to autograd,
-    and the others return None for it, so autograd sums nothing (one sum per later reader and
-    source: WAV at 12 layers, 9.7 operators per sublayer with the kernels). A backward that stops
-    short of the first readers (autograd.grad with inputs inside the model) leaves shares behind
-    for a second backward through the same graph."""
+    The sources that many and one read are the finished sources of the forward, which every later
+    block's phase-1 read and the output mixer read again: in eager mode each has one gradient, in
+    a GradPool, which every read's backward adds its share to and its first reader hands to
+    autograd (autograd's own sum per later reader and source cost WAV at 12 layers 9.7 operators
+    per sublayer with the kernels). Compiled, the compiler plans the sums."""
 
     def __init__(self):
         self.pooled = not torch.compiler.is_compiling()
-        self.seen, self.grads, self.rinv = set(), {}, {}
+        self.seen, self.pool, self.rinv = set(), GradPool(), {}
 
     # the three reads
     def many(self, queries, sources, bias):
@@ -855,11 +884,12 @@ class Reads:
         computing precision) -> the queries' and the bias's gradients, and the sources."""
         (grad_mixed, grad_lse), (queries, bias, rinv, scores, weights, *sources) = (
             grad_out, ctx.saved_tensors)
-        shares = [self.grads.get(key) for key in ctx.keys]
+        shares = [self.pool.share(key) for key in ctx.keys]
         saved = rinv, scores, weights
         dq, extra, shares = mix_torch_backward(queries, bias, sources, None, saved, grad_mixed,
                                                grad_lse, shares)
-        self.grads.update(zip(ctx.keys, shares))
+        for key, share in zip(ctx.keys, shares):
+            self.pool.put(key, share)
         return dq, extra[0] if bias is not None else None, sources
 
 
@@ -894,11 +924,11 @@ class TritonReads(Reads):
     def backward_pooled(self, ctx, grad_out):
         queries, bias, *saved = ctx.saved_tensors
         mixed, lse, sources = rows_saved(ctx, saved)
-        add = [int(key in self.grads) for key in ctx.keys]
+        add = [int(self.pool.share(key) is not None) for key in ctx.keys]
         for key, v in zip(ctx.keys, sources):
-            if key not in self.grads:  # the last reader of this source, the first to run backward
-                self.grads[key] = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-        grads = [self.grads[key] for key in ctx.keys]
+            if self.pool.share(key) is None:  # its last reader, the first to run backward
+                self.pool.put(key, torch.empty(v.shape, dtype=v.dtype, device=v.device))
+        grads = [self.pool.share(key) for key in ctx.keys]
         dq, extra = _triton_depth_mix_backward_shared(
             queries, bias, sources, *ctx.match, mixed, lse, grad_out[:len(mixed)],
             grad_out[len(mixed):], grads, add)
@@ -1096,7 +1126,7 @@ def wav(module, x, sublayers, backend):
 # mHC-lite's sum of the streams. The twins save no streams: a segment of about sqrt(L) sublayers
 # keeps its input streams and a few numbers per token, from which the backward rebuilds the streams.
 
-# --------------------------------------------------------------------------------- the PyTorch twin
+# ---------------------------------------------------------------------------- the PyTorch functions
 
 def stream_mixing(A, H):
     """A^T H per token for streams H (N, n, C): A (N, n, m), or (n, m) for all tokens
@@ -1108,6 +1138,22 @@ def advance(mixed, post, update):
     """The next streams H' + post^T f(h); post (..., n), or (..., n, 1) as the kernels write it."""
     return torch.addcmul(mixed, post if post.dim() == mixed.dim() else post.unsqueeze(-1),
                          update.unsqueeze(-2))
+
+
+def advance_backward(grad, update, post):
+    """advance's backward, d u = sum_s post_s G_s and d post_s = G_s . u per token, in two batched
+    products (the kernels' twin: _triton_advance_backward) -> d update, d post."""
+    if post.dim() == 1:  # static HC's post (n,), the same for every token
+        d_update = torch.matmul(post.to(grad.dtype), grad)
+        d_post = (torch.matmul(grad, update.unsqueeze(-1).to(grad.dtype))
+                  .sum_to_size(post.shape + (1,)).squeeze(-1))
+        return d_update, d_post
+    n, C = grad.shape[-2:]
+    G = grad.reshape(-1, n, C)
+    d_update = torch.bmm(post.reshape(-1, 1, n).to(G.dtype), G).view(update.shape)
+    # (as a row: 5x faster on a CPU)
+    d_post = torch.bmm(update.reshape(-1, 1, C).to(G.dtype), G.mT).view(post.shape)
+    return d_update, d_post
 
 
 def flat_streams(H):
@@ -1144,35 +1190,26 @@ class StreamSegment:
         return self.rebuilt.pop(i)
 
 
-def stack_rows(rows, L):
-    """The gradient rows of a multi-stream backward, a tuple per sublayer i in rows[i], stacked over
-    the L sublayers, one tensor per place in the tuple (zeros for a sublayer whose backward did not
-    run: a backward from an inner sublayer)."""
-    first = next(iter(rows.values()))
-    return [torch.stack([rows[i][k] if i in rows else torch.zeros_like(first[k]) for i in range(L)])
-            for k in range(len(first))]
-
-
 class TorchStreamStep:
     """The Triton step's PyTorch twin, derivatives by hand, for one forward: the stacked connection
     parameters (L, ...) in the forms the step computes with, made once without autograd, and the
-    backward's gradient rows, one per sublayer, which sublayer 0 (the last to run backward) turns
-    into the parameters' gradients (each sublayer's own rows through autograd would cost zero-filled
-    full-size gradients and about 70 operators a sublayer). A subclass holds one method's maths:
-    __call__(H, i, saved) -> h, H', post and what the replay and the backward need (a few numbers
-    per token); backward(...) -> d H, its parameter rows into self.rows[i]."""
+    backward's gradient rows, one per sublayer, put in a GradPool, which sublayer 0 (the last to run
+    backward) turns into the parameters' gradients (each sublayer's own rows through autograd would
+    cost zero-filled full-size gradients and about 70 operators a sublayer). A subclass holds one
+    method's maths: __call__(H, i, saved) -> h, H', post and what the replay and the backward need
+    (a few numbers per token); backward(...) -> d H, its parameter rows put under i; take() -> the
+    parameters' gradients."""
 
     def __init__(self, params):
-        self.params, self.rows = params, {}
+        self.params, self.pool = params, GradPool()
 
     def post_again(self, saved, i):
         """None: Advance saves post."""
         return None
 
-    def stacked_rows(self):
-        """The rows of this backward stacked (stack_rows), and taken."""
-        rows, self.rows = self.rows, {}
-        return stack_rows(rows, self.params[0].shape[0])
+    def rows(self):
+        """The rows of every sublayer, stacked, and taken (GradPool.take_stacked)."""
+        return self.pool.take_stacked(self.params[0].shape[0])
 
 
 class HCStep(TorchStreamStep):
@@ -1232,7 +1269,8 @@ class HCStep(TorchStreamStep):
         G = torch.cat([grad_h.unsqueeze(1), grad_mixed], 1)  # d (A^T H): row 0 h, rows 1..n H'
         if not saved:  # static: one A and post for all tokens
             grad_H = torch.matmul(self.base[i][:, :-1], G).to(H.dtype)
-            self.rows[i] = (torch.cat([torch.bmm(H, G.mT).sum(0), grad_post.unsqueeze(-1)], -1),)
+            d_Ap = torch.cat([torch.bmm(H, G.mT).sum(0), grad_post.unsqueeze(-1)], -1)
+            self.pool.put(i, (d_Ap,))
             return grad_H
         T = saved[0]
         Ap = torch.addcmul(self.base[i], T, self.scale[i])
@@ -1251,13 +1289,13 @@ class HCStep(TorchStreamStep):
         grad_H.addcmul_(M.addcmul_(dot, Hn, value=-1 / C), r)
         # d [width | depth], d [s_a .. s_b] (the sums of d_Ap T per column: a diagonal of one small
         # GEMM), d W^T / scale
-        self.rows[i] = (d_Ap.sum(0), torch.mm(d_Ap.view(-1, K).t(), T.view(-1, K)).diagonal(),
-                        torch.mm(D.view(-1, K).t().to(Hn.dtype), Hn.view(-1, C)))
+        self.pool.put(i, (d_Ap.sum(0), torch.mm(d_Ap.view(-1, K).t(), T.view(-1, K)).diagonal(),
+                          torch.mm(D.view(-1, K).t().to(Hn.dtype), Hn.view(-1, C))))
         return grad_H
 
     def take(self):
         """The gradients of width, depth (and s_a, s_b, W)."""
-        rows = self.stacked_rows()
+        rows = self.rows()
         grads = [rows[0][..., :-1].contiguous(), rows[0][..., -1].contiguous()]
         if self.W_t is not None:
             grads += [rows[1][:, :-1].sum(1), rows[1][:, -1].contiguous(),
@@ -1341,12 +1379,12 @@ class MHCStep(TorchStreamStep):
         grad_H.view(N, -1).addcmul_(torch.mv(dP_P, self.alpha[i]).unsqueeze(-1) * r.square(),
                                     X, value=-1 / (n * C))
         # d b, d a per column, d W / a
-        self.rows[i] = (d_logits.sum(0), dP_P.sum(0), torch.mm(X.t(), G.to(X.dtype)))
+        self.pool.put(i, (d_logits.sum(0), dP_P.sum(0), torch.mm(X.t(), G.to(X.dtype))))
         return grad_H
 
     def take(self):
         """The gradients of alpha, bias and W."""
-        d_bias, d_alpha, d_W = self.stacked_rows()
+        d_bias, d_alpha, d_W = self.rows()
         d_alpha = torch.stack([part.sum(1) for part in d_alpha.split(self.split, 1)], 1)
         return [g.to(p.dtype)
                 for g, p in zip([d_alpha, d_bias, d_W * self.alpha.unsqueeze(1)], self.params)]
@@ -1369,194 +1407,8 @@ class MHCLiteStep(MHCStep):
         return torch.ops.aten._softmax_backward_data(d_w.to(w.dtype), w, -1, w.dtype)
 
 
-class TorchStreamMix(torch.autograd.Function):
-    """(h, H', post) of sublayer i with a TorchStreamStep, saving no streams: the segment keeps what
-    the step saves, from which the backward's replay rebuilds the streams. The step sees the tokens
-    flattened (N, ...): its products are plain (batched) matrix products."""
-
-    @staticmethod
-    def forward(ctx, H, segment, step, *params):
-        i = segment.start + len(segment.connections)
-        # (e's n copies: a stride-0 view, kept as such; the products take a dense copy)
-        h, mixed, post, saved = step(flat_streams(H.contiguous()), i)
-        # post.detach(), not the output itself: its grad_fn would hold this ctx, which holds the
-        # segment: a cycle through autograd's graph that the garbage collector cannot free (27 MB a
-        # step leaked)
-        saved = tuple(t.detach() if t is post else t for t in saved)
-        segment.connections.append((saved, i))
-        # saved here too, so that autograd checks them for in-place changes and memory accounting
-        # sees them
-        ctx.save_for_backward(H if i == segment.start else None, *saved)
-        device = H.device.type
-        ctx.autocast = dict(device_type=device, dtype=torch.get_autocast_dtype(device),
-                            enabled=torch.is_autocast_enabled(device))
-        ctx.segment, ctx.i, ctx.step = segment, i, step
-        lead = H.shape[:-2]
-        return (h.view(*lead, -1), mixed.view(H.shape),
-                post if post.dim() == 1 else post.view(*lead, -1))
-
-    @staticmethod
-    def backward(ctx, grad_h, grad_mixed, grad_post):
-        _, *saved = ctx.saved_tensors
-        H = ctx.segment.streams_at(ctx.i, ctx.autocast)
-        n, C = H.shape[-2:]
-        with torch.autocast(**ctx.autocast):  # the forward's precision for the products
-            grad_H = ctx.step.backward(
-                flat_streams(H), ctx.i, saved, grad_h.reshape(-1, C),
-                grad_mixed.reshape(-1, n, C),
-                grad_post if grad_post.dim() == 1 else grad_post.reshape(-1, n))
-        grads = ctx.step.take() if ctx.i == 0 else [None] * len(ctx.step.params)
-        return grad_H.view(H.shape), None, None, *grads
-
-
-def advance_backward(grad, update, post):
-    """advance's backward, d u = sum_s post_s G_s and d post_s = G_s . u per token, in two batched
-    products (the kernels' twin: _triton_advance_backward) -> d update, d post."""
-    if post.dim() == 1:  # static HC's post (n,), the same for every token
-        d_update = torch.matmul(post.to(grad.dtype), grad)
-        d_post = (torch.matmul(grad, update.unsqueeze(-1).to(grad.dtype))
-                  .sum_to_size(post.shape + (1,)).squeeze(-1))
-        return d_update, d_post
-    n, C = grad.shape[-2:]
-    G = grad.reshape(-1, n, C)
-    d_update = torch.bmm(post.reshape(-1, 1, n).to(G.dtype), G).view(update.shape)
-    # (as a row: 5x faster on a CPU)
-    d_post = torch.bmm(update.reshape(-1, 1, C).to(G.dtype), G.mT).view(post.shape)
-    return d_update, d_post
-
-
-class Advance(torch.autograd.Function):
-    """H' + post^T f(h) (advance), its backward by `backward` (advance_backward, or the kernel's).
-    With post_again (a function), post is computed again in the backward instead of saved."""
-
-    @staticmethod
-    def forward(ctx, mixed, post, update, backward, post_again=None):
-        ctx.save_for_backward(None if post_again else post, update)
-        ctx.backward_of, ctx.post_again, ctx.post_shape = backward, post_again, post.shape
-        return advance(mixed, post, update)
-
-    @staticmethod
-    def backward(ctx, grad):
-        post, update = ctx.saved_tensors
-        if ctx.post_again:
-            post = ctx.post_again().view(ctx.post_shape)
-        d_update, d_post = ctx.backward_of(grad, update, post)
-        return grad, d_post, d_update, None, None
-
-
-def streams(coefficients, module, x, sublayers, backend):
-    """HC and mHC-lite with the streams rebuilt in the backward instead of saved: the sublayers are
-    cut into segments of about sqrt(L); a segment keeps its input streams, what each step saved for
-    the replay (a few numbers per token) and the updates (which the update's backward needs anyway),
-    and the backward rebuilds each segment's streams once. `coefficients` names the class's module
-    of connections. Compiled, compiled_streams runs instead (the compiler plans its own memory)."""
-    connections = getattr(module, coefficients)
-    # e copied into n streams, as residuals.copies
-    H = x.unsqueeze(-2).expand(*x.shape[:-1], module.n, x.shape[-1])
-    if torch.compiler.is_compiling():
-        return compiled_streams(module, connections, H, sublayers)
-    length = max(1, round(math.sqrt(len(sublayers))))
-    # mHC's and KromHC's H_res have no Triton kernel: there the triton backend runs the PyTorch twin
-    triton_ok = isinstance(connections, (residuals.HCConnections, residuals.PermutationMixing))
-    # the family's one choice of backend
-    plan = (TritonStreams if backend == 'triton' and triton_ok else TorchStreams)(connections, H,
-                                                                                 len(sublayers))
-    state = plan.start
-    for i, f in enumerate(sublayers):
-        if i % length == 0:
-            segment = StreamSegment(i, state, plan.replay)
-        h, mixed, post = plan.mix(state, i, segment)
-        update = f(h)
-        segment.updates.append(update.detach())
-        state = plan.join(mixed, post, update, segment)
-    return module.readout(plan.last(state))
-
-
-class TorchStreams:
-    """The PyTorch twin's schedule of one forward: the streams as one tensor (start), each
-    sublayer's step (mix, by TorchStreamMix), the update (join, by Advance), the replay's step, and
-    the streams the readout takes (last)."""
-
-    def __init__(self, connections, H, L):
-        if isinstance(connections, residuals.HCConnections):
-            self.maths = HCStep(connections)
-        elif isinstance(connections, residuals.PermutationMixing):
-            self.maths = MHCLiteStep(connections)
-        else:
-            self.maths = MHCStep(connections)
-        self.start = H
-
-    def mix(self, H, i, segment):
-        return TorchStreamMix.apply(H, segment, self.maths, *self.maths.params)
-
-    def join(self, mixed, post, u, segment):
-        post_again = self.maths.post_again(*segment.connections[-1])
-        return Advance.apply(mixed, post, u, advance_backward, post_again)
-
-    def replay(self, H, connection, u):
-        """The streams after a sublayer, from the streams before it, what its step saved and its
-        update."""
-        saved, i = connection
-        _, mixed, post, _ = self.maths(flat_streams(H), i, saved)
-        return advance(mixed, post, u.view(-1, u.shape[-1])).view(H.shape)
-
-    def last(self, H):
-        return H
-
-
-class TritonStreams:
-    """As TorchStreams with the kernels, which carry the streams as (H, post, u): the last
-    sublayer's H' and post and its update f(h), from which each step's kernels (forward, replay and
-    backward) form the streams H' + post^T u as they read them, so that the n streams are never
-    written between two sublayers; only the readout's streams are formed outside, by Advance. The
-    first sublayer's: (e's n copies, a stride-0 stream dimension, None, None)."""
-
-    def __init__(self, connections, H, L):
-        self.kind, self.params = triton_stream_params(connections)
-        self.grads = StreamGrads(self.kind, self.params, getattr(connections, 'proj', None))
-        # mHC-lite's projections one per sublayer: one backward node gathers their gradients
-        self.projections = [self.grads.W] * L
-        if self.kind == MHC_LITE:
-            self.projections = connections.proj.unbind()
-        self.start = H, None, None
-
-    def mix(self, state, i, segment):
-        return TritonStreamMix.apply(*state, self.projections[i], segment, self.grads,
-                                     *self.params)
-
-    def join(self, mixed, post, u, segment):
-        return mixed, post, u
-
-    def replay(self, state, connection, u):
-        XW, i = connection
-        _, mixed, post, _ = _triton_stream_mix(*state, XW, None, None, self.params, i, self.kind,
-                                               True)
-        return mixed, post, u
-
-    def last(self, state):
-        if state[1] is None:
-            return state[0]
-        return Advance.apply(*state, _triton_advance_backward)
-
-
-def compiled_streams(module, connections, H, sublayers):
-    """The class's maths for the compiler from the streams H, with the mixing written as n broadcast
-    multiply-adds (inductor fuses them with the update into one loop; A^T H would stay a batched
-    GEMM of tiny per-token matrices). The compiler plans the memory."""
-    for i, f in enumerate(sublayers):
-        if isinstance(connections, residuals.ManifoldCoefficients):
-            # the mHC family: A = [H_pre | H_res^T], post = H_post
-            h_pre, post, h_res = connections(i, H)
-            A = torch.cat([h_pre.unsqueeze(-1), h_res.transpose(-1, -2)], -1)
-        else:  # HC: A = [A_m | A_r], post = B
-            A, post = connections(i, H)
-        # (..., n+1, C): row 0 is h, rows 1..n are H'
-        mixed = (A.unsqueeze(-1) * H.unsqueeze(-2)).sum(-3)
-        H = advance(mixed[..., 1:, :], post, f(mixed[..., 0, :]))
-    return module.readout(H)
-
-
 # ---------------------------------------------------------- the Triton kernels: one step a sublayer
+
 #
 # One kernel per sublayer forward: the RMS of the streams, the projection XW (HC: each stream's
 # (C, n + 2) product, in the same pass over the columns; mHC-lite's (n C, 2n + n!) one: a GEMM
@@ -1578,9 +1430,13 @@ def compiled_streams(module, connections, H, sublayers):
 # (_advance_bwd).
 # Kinds: HC (dynamic), HC static, mHC-lite.
 HC, HC_STATIC, MHC_LITE = 0, 1, 2
+
+
 STREAM_BC = 256  # columns per pass: the (n + 1, n, BC) products stay small in registers
+
+
 # elements of a program's largest block: (tokens, n + 1, n, BC), HC's projection
-# (tokens, n, BC, n + 2) or mHC's (tokens, n!, n + 1, n)
+# (tokens, n, BC, n + 2) or mHC-lite's (tokens, n!, n + 1, n)
 STREAM_TILE = 8192
 
 
@@ -1700,7 +1556,7 @@ if triton is not None:
     @triton.jit
     def _stream_rms(ss, n, C, eps, LITE: tl.constexpr):
         """r from the streams' sums of squares ss (BT, NP): per stream (HC), or one for all n
-        streams (mHC)."""
+        streams (mHC-lite)."""
         if LITE:
             return 1 / tl.sqrt(tl.sum(ss, axis=1) / (n * C) + eps)
         else:
@@ -2144,14 +2000,14 @@ if triton is not None:
         k, j, p, c = tl.arange(0, NP), tl.arange(0, NP1), tl.arange(0, PP), tl.arange(0, BC)
         kmask, jmask, pmask = k < n, j < n + 1, p < n_perm
         m2 = jmask[:, None] & kmask[None, :]
-        # each program's sums over its tokens: HC width^T (NP1, NP), depth, s_a, s_b; mHC alpha,
-        # bias
+        # each program's sums over its tokens: HC width^T (NP1, NP), depth, s_a, s_b; mHC-lite
+        # alpha, bias
         d_AT = tl.zeros((NP1, NP), ACC)
         d_post = tl.zeros((NP,), ACC)
         d_pre = tl.zeros((NP,), ACC)
         d_z = tl.zeros((PP,), ACC)
         e = tl.arange(0, 4)
-        d_a = tl.zeros((4,), ACC)  # s_a, s_b (HC) or a_pre, a_post, a_res (mHC)
+        d_a = tl.zeros((4,), ACC)  # s_a, s_b (HC) or a_pre, a_post, a_res (mHC-lite)
         # HC: W's gradient (C, K) after the small ones
         part_w = PART + pid * n_part + n * (n + 1) + n + 2
         # each program: every programs-th tile of BT tokens
@@ -2242,6 +2098,19 @@ if triton is not None:
         tl.store(D_POST + t[:, None] * n + k[None, :], d_post.to(D_POST.dtype.element_ty), mask=tk)
 
 
+# ----------------------------------------------------------------------------------- the custom ops
+
+def _projection_sizes(XW, W, params, kind):
+    """K, the projection's columns (HC's W or mHC-lite's XW; 0 for static HC), and mHC-lite's
+    number of permutations n! (1 for HC)."""
+    K = 0
+    if W is not None:
+        K = W.shape[-1]
+    elif XW is not None:
+        K = XW.shape[-1]
+    return K, params[2].shape[0] if kind == MHC_LITE else 1
+
+
 def _stream_args(H, XW, W, params, kind):
     """The kernels' view of one step's inputs: streams (N, n, C) with a token and a stream stride (a
     stride-0 stream dimension for e's n copies), XW, W, the four parameter pointers, and the
@@ -2254,13 +2123,7 @@ def _stream_args(H, XW, W, params, kind):
     except RuntimeError:
         H = H.reshape(-1, n, C)
     P = list(params) + [None] * (4 - len(params))
-    if W is not None:
-        K = W.shape[-1]
-    elif XW is None:
-        K = 0
-    else:
-        K = XW.shape[-1]
-    n_perm = params[2].shape[0] if kind == MHC_LITE else 1
+    K, n_perm = _projection_sizes(XW, W, params, kind)
     blocks = dict(BT=stream_tile(n, C, n_perm, H.shape[0]), NP=next_pow2(n), NP1=next_pow2(n + 1),
                   PP=next_pow2(n_perm), BC=stream_columns(C))
     return (H, (None if XW is None else XW.contiguous()), (None if W is None else W.contiguous()),
@@ -2307,15 +2170,8 @@ def _triton_stream_mix(H: Tensor, post_in: Optional[Tensor], u_in: Optional[Tens
         OUT_H=h,  # (B, T, C), or no elements (replay)
         OUT_MIXED=mixed,  # (B, T, n, C)
         OUT_POST=post,  # (B, T, n, 1)
-        i=i,
-        stride_t=H3.stride(0),
-        stride_k=H3.stride(1),
-        N=N,
-        n=n,
-        C=C,
-        K=K,
-        n_perm=n_perm,
-        eps=RMS_EPS,
+        i=i, stride_t=H3.stride(0), stride_k=H3.stride(1),
+        N=N, n=n, C=C, K=K, n_perm=n_perm, eps=RMS_EPS,
         LITE=kind == MHC_LITE, DYNAMIC=kind == HC, PROJECT=W is not None, COMBINE=UW is not None,
         REPLAY=replay, ADD=post_in is not None, ACC=acc_tl, KP=next_pow2(K), **blocks)
     return h, mixed, post, projected
@@ -2383,16 +2239,8 @@ def _triton_stream_mix_backward(H: Tensor, post_in: Optional[Tensor], u_in: Opti
         D_UW=last[3],  # mHC-lite: post_in^T d XW (N, n K), or None
         D_XW=d_XW,  # (N, K) or None
         PART=parts,  # (programs, n_part)
-        i=i,
-        stride_t=H3.stride(0),
-        stride_k=H3.stride(1),
-        N=N,
-        n=n,
-        C=C,
-        K=K,
-        n_perm=n_perm,
-        n_part=n_part,
-        eps=RMS_EPS,
+        i=i, stride_t=H3.stride(0), stride_k=H3.stride(1),
+        N=N, n=n, C=C, K=K, n_perm=n_perm, n_part=n_part, eps=RMS_EPS,
         LITE=kind == MHC_LITE, DYNAMIC=kind == HC, ADD=post_in is not None, ACC=acc_tl,
         KP=next_pow2(K), **blocks)
     return d_H, [] if d_XW is None else [d_XW], parts, [t for t in last if t is not None]
@@ -2401,13 +2249,7 @@ def _triton_stream_mix_backward(H: Tensor, post_in: Optional[Tensor], u_in: Opti
 @_triton_stream_mix_backward.register_fake
 def _(H, post_in, u_in, UW, XW, W, params, i, kind, grad_h, grad_mixed, grad_post, low):
     acc, (n, C), N = accumulator(H.dtype)[0], H.shape[-2:], H.numel() // (H.shape[-2] * H.shape[-1])
-    if W is not None:
-        K = W.shape[-1]
-    elif XW is None:
-        K = 0
-    else:
-        K = XW.shape[-1]
-    n_perm = params[2].shape[0] if kind == MHC_LITE else 1
+    K, n_perm = _projection_sizes(XW, W, params, kind)
     return (H.new_empty(H.shape), [XW.new_empty(XW.shape, dtype=acc)] if kind == MHC_LITE else [],
             H.new_empty(_stream_parts(kind, n, C, K, n_perm, N), dtype=acc),
             [t for t in _last_outputs(H, post_in, u_in, UW, kind, low) if t is not None])
@@ -2464,21 +2306,93 @@ def _(grad, update, post):
     return torch.empty_like(update), torch.empty_like(post)
 
 
+def triton_stream_params(connections):
+    """The kind of step and the stacked parameters (L, ...) the kernels read sublayer i's rows of:
+    HC [width, depth, s_a, s_b] (static: [width, depth]), mHC-lite [alpha, bias, the permutations
+    as stream indices]."""
+    if isinstance(connections, residuals.PermutationMixing):
+        return MHC_LITE, [connections.alpha, connections.bias,
+                          connections.permutations.argmax(-1).to(torch.int32)]
+    if connections.dynamic:
+        return HC, [connections.width, connections.depth, connections.width_scale,
+                    connections.depth_scale]
+    return HC_STATIC, [connections.width, connections.depth]
+
+
+# ------------------------------------------------------------------------------------ the Functions
+
+class TorchStreamMix(torch.autograd.Function):
+    """(h, H', post) of sublayer i with a TorchStreamStep, saving no streams: the segment keeps what
+    the step saves, from which the backward's replay rebuilds the streams. The step sees the tokens
+    flattened (N, ...): its products are plain (batched) matrix products."""
+
+    @staticmethod
+    def forward(ctx, H, segment, step, *params):
+        i = segment.start + len(segment.connections)
+        # (e's n copies: a stride-0 view, kept as such; the products take a dense copy)
+        h, mixed, post, saved = step(flat_streams(H.contiguous()), i)
+        # post.detach(), not the output itself: its grad_fn would hold this ctx, which holds the
+        # segment: a cycle through autograd's graph that the garbage collector cannot free (27 MB a
+        # step leaked)
+        saved = tuple(t.detach() if t is post else t for t in saved)
+        segment.connections.append((saved, i))
+        # saved here too, so that autograd checks them for in-place changes and memory accounting
+        # sees them
+        ctx.save_for_backward(H if i == segment.start else None, *saved)
+        device = H.device.type
+        ctx.autocast = dict(device_type=device, dtype=torch.get_autocast_dtype(device),
+                            enabled=torch.is_autocast_enabled(device))
+        ctx.segment, ctx.i, ctx.step = segment, i, step
+        lead = H.shape[:-2]
+        return (h.view(*lead, -1), mixed.view(H.shape),
+                post if post.dim() == 1 else post.view(*lead, -1))
+
+    @staticmethod
+    def backward(ctx, grad_h, grad_mixed, grad_post):
+        _, *saved = ctx.saved_tensors
+        H = ctx.segment.streams_at(ctx.i, ctx.autocast)
+        n, C = H.shape[-2:]
+        with torch.autocast(**ctx.autocast):  # the forward's precision for the products
+            grad_H = ctx.step.backward(
+                flat_streams(H), ctx.i, saved, grad_h.reshape(-1, C),
+                grad_mixed.reshape(-1, n, C),
+                grad_post if grad_post.dim() == 1 else grad_post.reshape(-1, n))
+        grads = ctx.step.take() if ctx.i == 0 else [None] * len(ctx.step.params)
+        return grad_H.view(H.shape), None, None, *grads
+
+
+class Advance(torch.autograd.Function):
+    """H' + post^T f(h) (advance), its backward by `backward` (advance_backward, or the kernel's).
+    With post_again (a function), post is computed again in the backward instead of saved."""
+
+    @staticmethod
+    def forward(ctx, mixed, post, update, backward, post_again=None):
+        ctx.save_for_backward(None if post_again else post, update)
+        ctx.backward_of, ctx.post_again, ctx.post_shape = backward, post_again, post.shape
+        return advance(mixed, post, update)
+
+    @staticmethod
+    def backward(ctx, grad):
+        post, update = ctx.saved_tensors
+        if ctx.post_again:
+            post = ctx.post_again().view(ctx.post_shape)
+        d_update, d_post = ctx.backward_of(grad, update, post)
+        return grad, d_post, d_update, None, None
+
+
 class StreamGrads:
     """The gradients of the stacked connection parameters (L, ...) in one forward with the Triton
-    kernels: sublayer i's backward sums its programs' partial sums into its row (parts,), and
-    sublayer 0, the last to run backward, stacks the L rows and hands out the parameters' gradients
-    as slices of them; the others return None. (Per sublayer one sum, where each sublayer's own
-    gradients cost five slices and autograd a stack of L of them per parameter.) A backward that
-    stops short of sublayer 0 (autograd.grad with inputs inside the model) leaves its rows
-    behind."""
+    kernels: sublayer i's backward sums its programs' partial sums into its row, put in a GradPool,
+    and sublayer 0, the last to run backward, stacks the L rows and hands out the parameters'
+    gradients as slices of them; the others return None. (Per sublayer one sum, where each
+    sublayer's own gradients cost five slices and autograd a stack of L of them per parameter.)"""
 
     def __init__(self, kind, params, W):
-        self.kind, self.params, self.W, self.rows = kind, params, W, {}
+        self.kind, self.params, self.W, self.pool = kind, params, W, GradPool()
         self.W_t = self.W_s = self.W_s_t = None
 
-    def add(self, i, parts):
-        self.rows[i] = (parts.sum(0),)
+    def put(self, i, parts):
+        self.pool.put(i, (parts.sum(0),))
 
     def by_stream(self, i):
         """[W_1 | .. | W_n] (C, n K) of mHC-lite's sublayer i, W_s its rows of stream s (the stack
@@ -2510,9 +2424,9 @@ class StreamGrads:
     def take(self):
         """The gradients of the parameters (and of HC's W): [width | depth | s_a, s_b | W] or
         [alpha | bias]."""
-        rows, self.rows, self.W_t, self.W_s, self.W_s_t, L = (self.rows, {}, None, None, None,
-                                                              self.params[0].shape[0])
-        rows, = stack_rows(rows, L)
+        L = self.params[0].shape[0]
+        rows, = self.pool.take_stacked(L)
+        self.W_t = self.W_s = self.W_s_t = None
         params = [p for p in self.params + ([self.W] if self.kind == HC else [])
                   if p.is_floating_point()]
         # (mHC-lite's permutations: none)
@@ -2571,7 +2485,7 @@ class TritonStreamMix(torch.autograd.Function):
                                                                W if kind == HC else None, params,
                                                                ctx.i, kind, grad_h, grad_mixed,
                                                                grad_post, low)
-        ctx.grads.add(ctx.i, parts)
+        ctx.grads.put(ctx.i, parts)
         d_u, d_post, grad_W = *(d_last[:2] if d_last else (None, None)), None
         # XW = rows W: rows get d_XW W^T, W gets rows^T d_XW (rows: the streams as the kernel formed
         # them)
@@ -2594,17 +2508,128 @@ class TritonStreamMix(torch.autograd.Function):
         return d_H, d_post, d_u, grad_W, None, None, *(grads + [None] * (len(params) - len(grads)))
 
 
-def triton_stream_params(connections):
-    """The kind of step and the stacked parameters (L, ...) the kernels read sublayer i's rows of:
-    HC [width, depth, s_a, s_b] (static: [width, depth]), mHC-lite [alpha, bias, the permutations
-    as stream indices]."""
-    if isinstance(connections, residuals.PermutationMixing):
-        return MHC_LITE, [connections.alpha, connections.bias,
-                          connections.permutations.argmax(-1).to(torch.int32)]
-    if connections.dynamic:
-        return HC, [connections.width, connections.depth, connections.width_scale,
-                    connections.depth_scale]
-    return HC_STATIC, [connections.width, connections.depth]
+# ------------------------------------------------------------------------------------ the schedules
+
+def hc(module, x, sublayers, backend):
+    """HC: the streams of its connections."""
+    return streams(module.connections, module, x, sublayers, backend)
+
+
+def mhc(module, x, sublayers, backend):
+    """The mHC family (mHC, mHC-lite, KromHC): the streams of its coefficients."""
+    return streams(module.coefficients, module, x, sublayers, backend)
+
+
+def streams(connections, module, x, sublayers, backend):
+    """HC and the mHC family with the streams rebuilt in the backward instead of saved: the
+    sublayers are cut into segments of about sqrt(L); a segment keeps its input streams, what each
+    step saved for the replay (a few numbers per token) and the updates (which the update's
+    backward needs anyway), and the backward rebuilds each segment's streams once. `connections`:
+    the class's module of connections. Compiled, compiled_streams runs instead (the compiler plans
+    its own memory)."""
+    # e copied into n streams, as residuals.copies
+    H = x.unsqueeze(-2).expand(*x.shape[:-1], module.n, x.shape[-1])
+    if torch.compiler.is_compiling():
+        return compiled_streams(module, connections, H, sublayers)
+    length = max(1, round(math.sqrt(len(sublayers))))
+    # mHC's and KromHC's H_res have no Triton kernel: there the triton backend runs the PyTorch twin
+    triton_ok = isinstance(connections, (residuals.HCConnections, residuals.PermutationMixing))
+    # the family's one choice of backend
+    plan = (TritonStreams if backend == 'triton' and triton_ok else TorchStreams)(connections, H,
+                                                                                 len(sublayers))
+    state = plan.start
+    for i, f in enumerate(sublayers):
+        if i % length == 0:
+            segment = StreamSegment(i, state, plan.replay)
+        h, mixed, post = plan.mix(state, i, segment)
+        update = f(h)
+        segment.updates.append(update.detach())
+        state = plan.join(mixed, post, update, segment)
+    return module.readout(plan.last(state))
+
+
+class TorchStreams:
+    """The PyTorch twin's schedule of one forward: the streams as one tensor (start), each
+    sublayer's step (mix, by TorchStreamMix), the update (join, by Advance), the replay's step, and
+    the streams the readout takes (last)."""
+
+    def __init__(self, connections, H, L):
+        if isinstance(connections, residuals.HCConnections):
+            self.maths = HCStep(connections)
+        elif isinstance(connections, residuals.PermutationMixing):
+            self.maths = MHCLiteStep(connections)
+        else:
+            self.maths = MHCStep(connections)
+        self.start = H
+
+    def mix(self, H, i, segment):
+        return TorchStreamMix.apply(H, segment, self.maths, *self.maths.params)
+
+    def join(self, mixed, post, u, segment):
+        post_again = self.maths.post_again(*segment.connections[-1])
+        return Advance.apply(mixed, post, u, advance_backward, post_again)
+
+    def replay(self, H, connection, u):
+        """The streams after a sublayer, from the streams before it, what its step saved and its
+        update."""
+        saved, i = connection
+        _, mixed, post, _ = self.maths(flat_streams(H), i, saved)
+        return advance(mixed, post, u.view(-1, u.shape[-1])).view(H.shape)
+
+    def last(self, H):
+        return H
+
+
+class TritonStreams:
+    """As TorchStreams with the kernels, which carry the streams as (H, post, u): the last
+    sublayer's H' and post and its update f(h), from which each step's kernels (forward, replay and
+    backward) form the streams H' + post^T u as they read them, so that the n streams are never
+    written between two sublayers; only the readout's streams are formed outside, by Advance. The
+    first sublayer's: (e's n copies, a stride-0 stream dimension, None, None)."""
+
+    def __init__(self, connections, H, L):
+        self.kind, self.params = triton_stream_params(connections)
+        self.grads = StreamGrads(self.kind, self.params, getattr(connections, 'proj', None))
+        # mHC-lite's projections one per sublayer: one backward node gathers their gradients
+        self.projections = [self.grads.W] * L
+        if self.kind == MHC_LITE:
+            self.projections = connections.proj.unbind()
+        self.start = H, None, None
+
+    def mix(self, state, i, segment):
+        return TritonStreamMix.apply(*state, self.projections[i], segment, self.grads,
+                                     *self.params)
+
+    def join(self, mixed, post, u, segment):
+        return mixed, post, u
+
+    def replay(self, state, connection, u):
+        XW, i = connection
+        _, mixed, post, _ = _triton_stream_mix(*state, XW, None, None, self.params, i, self.kind,
+                                               True)
+        return mixed, post, u
+
+    def last(self, state):
+        if state[1] is None:
+            return state[0]
+        return Advance.apply(*state, _triton_advance_backward)
+
+
+def compiled_streams(module, connections, H, sublayers):
+    """The class's maths for the compiler from the streams H, with the mixing written as n broadcast
+    multiply-adds (inductor fuses them with the update into one loop; A^T H would stay a batched
+    GEMM of tiny per-token matrices). The compiler plans the memory."""
+    for i, f in enumerate(sublayers):
+        if isinstance(connections, residuals.ManifoldCoefficients):
+            # the mHC family: A = [H_pre | H_res^T], post = H_post
+            h_pre, post, h_res = connections(i, H)
+            A = torch.cat([h_pre.unsqueeze(-1), h_res.transpose(-1, -2)], -1)
+        else:  # HC: A = [A_m | A_r], post = B
+            A, post = connections(i, H)
+        # (..., n+1, C): row 0 is h, rows 1..n are H'
+        mixed = (A.unsqueeze(-1) * H.unsqueeze(-2)).sum(-3)
+        H = advance(mixed[..., 1:, :], post, f(mixed[..., 0, :]))
+    return module.readout(H)
 
 
 # =========================================================================== 4. MGR: the fused step
@@ -2616,7 +2641,7 @@ def triton_stream_params(connections):
 # next AttnPool in one pass over the streams; its backward can rebuild the step's input streams from
 # its output by inverting the update (see mgr).
 
-# --------------------------------------------------------------------------------- the PyTorch twin
+# ---------------------------------------------------------------------------- the PyTorch functions
 
 def _gates(z, bias, competitive):
     """beta (n, N) from scores z (n, N): softmax with a keep logit, or independent sigmoids."""
@@ -2694,116 +2719,6 @@ def mgr_step_backward_torch(x, u, gate_query, gate_bias, pool_query, beta, alpha
         (scaled * r * z).unsqueeze(-1), s, value=-1 / C)
     grad_gate = torch.mv(s.reshape(-1, C).T, scaled.reshape(-1)).view_as(gate_query)
     return (d_s.to(x.dtype), grad_u.to(u.dtype), grad_gate, grad_bias.reshape(1), grad_pool, s)
-
-
-class MGRStep(torch.autograd.Function):
-    """One gated MGR sublayer: s_j <- s_j + beta_j (u - s_j), then h = AttnPool(s) for the next
-    sublayer, in one pass. Without a tape it saves its input streams. With a `tape` (a dict shared
-    by the steps of one forward) the backward inverts the lerp instead: only the last step saves its
-    output streams; every step's backward rebuilds its input from its output and leaves it on the
-    tape for the step before (backwards run in reverse order, so each finds its output there)."""
-
-    @staticmethod
-    def forward(ctx, streams, u, gate_query, gate_bias, pool_query, competitive, fallback_p, tape,
-                step, last, kernels, rinv):
-        keep = min(fallback_p, streams.shape[0]) if tape is not None else 0
-        args = streams, u, gate_query, gate_bias, pool_query, competitive, keep
-        new, h, beta, alpha, index, kept, scores = kernels[0](*args, rinv)
-        if tape is None:
-            streams_kept = [streams]
-        elif last:
-            streams_kept = [new]
-        else:
-            streams_kept = []
-        ctx.save_for_backward(u, gate_query, gate_bias, pool_query, beta, alpha, index, kept,
-                              *scores, *streams_kept)
-        ctx.competitive, ctx.tape, ctx.step, ctx.kernels, ctx.n_scores = (
-            competitive, tape, step, kernels, len(scores))
-        # the new streams' 1/RMS, the next step's (PyTorch; exact only where the streams keep its
-        # precision)
-        rinv_new = scores[2] if scores and scores[2].dtype == new.dtype else None
-        ctx.mark_non_differentiable(beta, alpha, index, kept,
-                                    *[] if rinv_new is None else [rinv_new])
-        ctx.set_materialize_grads(False)  # no tensors of zeros made for those
-        return new, h, beta, alpha, index, kept, rinv_new
-
-    @staticmethod
-    def backward(ctx, grad_new, grad_h, *_):
-        u, gate_query, gate_bias, pool_query, beta, alpha, index, kept, *saved = ctx.saved_tensors
-        scores, saved = saved[:ctx.n_scores], saved[ctx.n_scores:]
-        if grad_new is None:  # (the last step's streams: only its h is read)
-            grad_new = u.new_zeros(beta.shape + u.shape[-1:])
-        if grad_h is None:
-            grad_h = torch.zeros_like(u)
-        invert = ctx.tape is not None
-        if saved:
-            x = saved[0]
-        elif ctx.step in ctx.tape:
-            x = ctx.tape.pop(ctx.step)
-        else:
-            raise RuntimeError("MGR's inverting backward must start at the last step (each step "
-                               "rebuilds its input from the step after); to backpropagate from an "
-                               "inner step use mgr_fallback_p=-1")
-        args = (x, u, gate_query, gate_bias, pool_query, beta, alpha, index, kept, grad_new, grad_h,
-                ctx.competitive, invert)
-        d_s, d_u, d_gate, d_bias, d_pool, rebuilt = ctx.kernels[1](*args, scores)
-        if invert:
-            ctx.tape[ctx.step - 1] = rebuilt.to(x.dtype)
-        return (d_s, d_u, d_gate.to(gate_query.dtype), d_bias.to(gate_bias.dtype),
-                d_pool.to(pool_query.dtype), None, None, None, None, None, None, None)
-
-
-def mgr_step(streams, u, gate_query, gate_bias, pool_query, competitive, fallback_p, tape, step,
-             last, kernels, rinv=None):
-    """Fused MGR step: streams (n, B, T, C), u (B, T, C), gate_bias (1,) -> (new streams, h
-    (B, T, C), the new streams' 1/RMS for the next step (PyTorch) or None); see MGRStep. kernels:
-    the step and its backward (TORCH_STEP or TRITON_STEP). The kernels take the tokens' shape as it
-    is: no views around them."""
-    new, h, *_, rinv = MGRStep.apply(streams, u, gate_query, gate_bias, pool_query, competitive,
-                                     fallback_p, tape, step, last, kernels, rinv)
-    return new, h, rinv
-
-
-def mgr(module, x, sublayers, backend):
-    """MGR with the fused step (gates, convex update, next AttnPool). In the accumulation phase the
-    streams are a list and each AttnPool is one depth read of them (AttnPool is DepthAttention;
-    through a Reads, as the AttnRes family's); they are stacked once, where the gated phase
-    begins. The queries are scaled once and split, so that each sublayer takes its own without an
-    operator (and its gradient without a full-size zero).
-    The inversion's setting p is the module's `fallback_p`, which GPT.set_kernels sets from its
-    mgr_fallback_p (1 where unset; only this twin reads it). With p >= 0 in eager mode, the steps'
-    backwards invert the lerp, passing the rebuilt streams backwards on a tape local to this
-    forward; the originals of the p largest gates per token are kept. The plain step (torch, p = -1)
-    is the class's forward."""
-    fallback_p = getattr(module, 'fallback_p', 1)
-    if backend == 'triton':  # the family's one choice of backend
-        kernels = TRITON_STEP
-    elif fallback_p < 0:
-        return module(x, sublayers)
-    else:
-        kernels = TORCH_STEP
-    n, gates = module.n, module.gates
-    # Python state: eager only
-    tape = {} if fallback_p >= 0 and not torch.compiler.is_compiling() else None
-    # rows (1, C): the reads' and the steps'
-    pool_queries = (module.pool.queries * module.pool.scale).split(1)
-    gate_queries, gate_bias = (gates.queries * gates.scale).split(1), gates.bias.split(1)
-    # s_1 = e, then a stream per update
-    started, streams, rinv, read = [x], None, None, reads(backend)
-    h = read.one(pool_queries[0], started, None)
-    for i, f in enumerate(sublayers):
-        u = f(h)
-        if i < n - 1:  # accumulation phase: the update starts a new stream
-            started.append(u)
-            h = read.one(pool_queries[i + 1], started, None)
-        else:
-            if streams is None:
-                streams = torch.stack(started) if len(started) > 1 else x.unsqueeze(0)
-            j = i - (n - 1)
-            streams, h, rinv = mgr_step(
-                streams, u, gate_queries[j], gate_bias[j], pool_queries[i + 1], gates.competitive,
-                fallback_p, tape, i, i == len(sublayers) - 1, kernels, rinv)
-    return h
 
 
 # ------------------------------------------------------------------------------- the Triton kernels
@@ -2962,6 +2877,8 @@ if triton is not None:
         tl.store(D_B + pid, tl.sum(d_b, axis=0))
 
 
+# ----------------------------------------------------------------------------------- the custom ops
+
 @torch.library.custom_op('resroute::mgr_step', mutates_args=())
 def triton_mgr_step(streams: Tensor, u: Tensor, gate_query: Tensor, gate_bias: Tensor,
                     pool_query: Tensor, competitive: bool, keep: int
@@ -3074,7 +2991,123 @@ def triton_step_backward(*args):
 
 # the step and its backward, by backend (mgr chooses)
 TORCH_STEP = mgr_step_torch, mgr_step_backward_torch
+
+
 TRITON_STEP = triton_step, triton_step_backward
+
+
+# -------------------------------------------------------------------- the Function and the schedule
+
+class MGRStep(torch.autograd.Function):
+    """One gated MGR sublayer: s_j <- s_j + beta_j (u - s_j), then h = AttnPool(s) for the next
+    sublayer, in one pass. Without a tape it saves its input streams. With a `tape` (a dict shared
+    by the steps of one forward) the backward inverts the lerp instead: only the last step saves its
+    output streams; every step's backward rebuilds its input from its output and leaves it on the
+    tape for the step before (backwards run in reverse order, so each finds its output there)."""
+
+    @staticmethod
+    def forward(ctx, streams, u, gate_query, gate_bias, pool_query, competitive, fallback_p, tape,
+                step, last, kernels, rinv):
+        keep = min(fallback_p, streams.shape[0]) if tape is not None else 0
+        args = streams, u, gate_query, gate_bias, pool_query, competitive, keep
+        step_forward, _ = kernels
+        new, h, beta, alpha, index, kept, scores = step_forward(*args, rinv)
+        if tape is None:
+            streams_kept = [streams]
+        elif last:
+            streams_kept = [new]
+        else:
+            streams_kept = []
+        ctx.save_for_backward(u, gate_query, gate_bias, pool_query, beta, alpha, index, kept,
+                              *scores, *streams_kept)
+        ctx.competitive, ctx.tape, ctx.step, ctx.kernels, ctx.n_scores = (
+            competitive, tape, step, kernels, len(scores))
+        # the new streams' 1/RMS, the next step's (PyTorch; exact only where the streams keep its
+        # precision)
+        rinv_new = scores[2] if scores and scores[2].dtype == new.dtype else None
+        ctx.mark_non_differentiable(beta, alpha, index, kept,
+                                    *[] if rinv_new is None else [rinv_new])
+        ctx.set_materialize_grads(False)  # no tensors of zeros made for those
+        return new, h, beta, alpha, index, kept, rinv_new
+
+    @staticmethod
+    def backward(ctx, grad_new, grad_h, *_):
+        u, gate_query, gate_bias, pool_query, beta, alpha, index, kept, *saved = ctx.saved_tensors
+        scores, saved = saved[:ctx.n_scores], saved[ctx.n_scores:]
+        if grad_new is None:  # (the last step's streams: only its h is read)
+            grad_new = u.new_zeros(beta.shape + u.shape[-1:])
+        if grad_h is None:
+            grad_h = torch.zeros_like(u)
+        invert = ctx.tape is not None
+        if saved:
+            x = saved[0]
+        elif ctx.step in ctx.tape:
+            x = ctx.tape.pop(ctx.step)
+        else:
+            raise RuntimeError("MGR's inverting backward must start at the last step (each step "
+                               "rebuilds its input from the step after); to backpropagate from an "
+                               "inner step use mgr_fallback_p=-1")
+        args = (x, u, gate_query, gate_bias, pool_query, beta, alpha, index, kept, grad_new, grad_h,
+                ctx.competitive, invert)
+        _, step_backward = ctx.kernels
+        d_s, d_u, d_gate, d_bias, d_pool, rebuilt = step_backward(*args, scores)
+        if invert:
+            ctx.tape[ctx.step - 1] = rebuilt.to(x.dtype)
+        return (d_s, d_u, d_gate.to(gate_query.dtype), d_bias.to(gate_bias.dtype),
+                d_pool.to(pool_query.dtype), None, None, None, None, None, None, None)
+
+
+def mgr_step(streams, u, gate_query, gate_bias, pool_query, competitive, fallback_p, tape, step,
+             last, kernels, rinv=None):
+    """Fused MGR step: streams (n, B, T, C), u (B, T, C), gate_bias (1,) -> (new streams, h
+    (B, T, C), the new streams' 1/RMS for the next step (PyTorch) or None); see MGRStep. kernels:
+    the step and its backward (TORCH_STEP or TRITON_STEP). The kernels take the tokens' shape as it
+    is: no views around them."""
+    new, h, *_, rinv = MGRStep.apply(streams, u, gate_query, gate_bias, pool_query, competitive,
+                                     fallback_p, tape, step, last, kernels, rinv)
+    return new, h, rinv
+
+
+def mgr(module, x, sublayers, backend):
+    """MGR with the fused step (gates, convex update, next AttnPool). In the accumulation phase the
+    streams are a list and each AttnPool is one depth read of them (AttnPool is DepthAttention;
+    through a Reads, as the AttnRes family's); they are stacked once, where the gated phase
+    begins. The queries are scaled once and split, so that each sublayer takes its own without an
+    operator (and its gradient without a full-size zero).
+    The inversion's setting p is the module's `fallback_p`, which GPT.set_kernels sets from its
+    mgr_fallback_p (1 where unset; only this twin reads it). With p >= 0 in eager mode, the steps'
+    backwards invert the lerp, passing the rebuilt streams backwards on a tape local to this
+    forward; the originals of the p largest gates per token are kept. The plain step (torch, p = -1)
+    is the class's forward."""
+    fallback_p = getattr(module, 'fallback_p', 1)
+    if backend == 'triton':  # the family's one choice of backend
+        kernels = TRITON_STEP
+    elif fallback_p < 0:
+        return module(x, sublayers)
+    else:
+        kernels = TORCH_STEP
+    n, gates = module.n, module.gates
+    # Python state: eager only
+    tape = {} if fallback_p >= 0 and not torch.compiler.is_compiling() else None
+    # rows (1, C): the reads' and the steps'
+    pool_queries = (module.pool.queries * module.pool.scale).split(1)
+    gate_queries, gate_bias = (gates.queries * gates.scale).split(1), gates.bias.split(1)
+    # s_1 = e, then a stream per update
+    started, streams, rinv, read = [x], None, None, reads(backend)
+    h = read.one(pool_queries[0], started, None)
+    for i, f in enumerate(sublayers):
+        u = f(h)
+        if i < n - 1:  # accumulation phase: the update starts a new stream
+            started.append(u)
+            h = read.one(pool_queries[i + 1], started, None)
+        else:
+            if streams is None:
+                streams = torch.stack(started) if len(started) > 1 else x.unsqueeze(0)
+            j = i - (n - 1)
+            streams, h, rinv = mgr_step(
+                streams, u, gate_queries[j], gate_bias[j], pool_queries[i + 1], gates.competitive,
+                fallback_p, tape, i, i == len(sublayers) - 1, kernels, rinv)
+    return h
 
 
 # ================================================ 5. DenseFormer and MUDD: the states in one buffer
@@ -3087,6 +3120,8 @@ TRITON_STEP = triton_step, triton_step_backward
 # forward and one backward (below), which reads the ways' gradients as they come where the batched
 # product needs them stacked, and adds into the gradients' rows in the same pass. MUDD's weights:
 # the generator's RMSNorm moved past its first projection (RMSProjection).
+
+# ---------------------------------------------------------------------------- the PyTorch functions
 
 class DenseStates:
     """The states X_0..X_R of one forward of a dense method, each copied once into one buffer, so
@@ -3128,144 +3163,6 @@ class DenseStates:
         return False
 
 
-class DenseMix(torch.autograd.Function):
-    """One mix of the buffer's states `read` (a slice): weights (J,) give sum_j w_j X_j (N, C);
-    weights (N, ways, J) give, per token, the ways' mixes (N, ways, C), or (fused) a tuple of the
-    ways' (N, C). The autograd inputs are the weights and the states this mix is the first to read
-    (`owned`, buffer indices): it returns their gradients."""
-
-    @staticmethod
-    def forward(ctx, weights, states, read, owned, last, *owned_states):
-        S = states.rows(states.values, read)  # (J, N, C), or (N, J, C) per token
-        w = weights.to(S.dtype)
-        # the class's multiply-adds run in the buffer's precision
-        with torch.autocast(S.device.type, enabled=False):
-            if states.fused:
-                mixed = triton_mudd_mix(w, S)[:w.shape[1]]
-            else:
-                mixed = (torch.bmm(w, S) if states.per_token
-                         else (w @ S.flatten(1)).view(S.shape[1:]))
-        # the last mix saves the buffer (full by then), so that memory accounting sees it
-        ctx.save_for_backward(weights, states.values if last else None)
-        ctx.states, ctx.read, ctx.owned = states, read, owned
-        ctx.owned_like = [(X.shape, X.dtype) for X in owned_states]
-        return mixed
-
-    @staticmethod
-    def backward(ctx, *grad_mixed):
-        weights, _ = ctx.saved_tensors
-        states = ctx.states
-        S = states.rows(states.values, ctx.read)
-        g, w = [g.to(S.dtype) for g in grad_mixed], weights.to(S.dtype)
-        first = states.takes_product(ctx.read)
-        dS = None if first else states.rows(states.grads, ctx.read)
-        with torch.autocast(S.device.type, enabled=False):
-            if states.fused:  # grad_w and dS (+)= w^T g in one pass
-                grad_w, product = triton_mudd_mix_backward(w, S, g, dS)
-            elif states.per_token:  # grad_w = g S^T, dS += w^T g, token by token
-                grad_w = torch.bmm(g[0], S.transpose(1, 2))
-                # (baddbmm_ into the strided rows loops over tokens)
-                product = torch.bmm(w.transpose(1, 2), g[0])
-                if not first:
-                    dS.add_(product)
-            else:
-                grad_w, g = S.flatten(1) @ g[0].flatten(), g[0].flatten()
-                product = torch.outer(w, g).view(S.shape) if first else dS.flatten(1).addr_(w, g)
-        if first:
-            states.grads = product
-        # complete: every later reader has added its share
-        owned = [states.rows(states.grads, j).to(dtype).view(shape)
-                 for j, (shape, dtype) in zip(ctx.owned, ctx.owned_like)]
-        if 1 in ctx.owned:  # the first mix, the last to run backward
-            states.grads = None
-        return grad_w.to(weights.dtype), None, None, None, None, *owned
-
-
-def denseformer(module, x, sublayers, backend):
-    """DenseFormer with its states in one buffer: each average is one GEMV over the states it reads.
-    Compiled, the class's forward (the compiler fuses its multiply-adds)."""
-    if torch.compiler.is_compiling():
-        return module(x, sublayers)
-    group, k, alpha = 2 * module.period, module.dwa.dilation, module.dwa.alpha
-    R = len(sublayers) // group
-    states = DenseStates(R + 1, x, torch.promote_types(x.dtype, alpha.dtype), per_token=False)
-    states.add(x)
-    e = x
-    for r in range(1, R + 1):
-        for f in sublayers[(r - 1) * group:r * group]:
-            x = x + f(x)
-        states.add(x)
-        read = slice(r % k, r + 1, k)
-        # X_r, and e where the first average reads it
-        first = [(r, x)] + ([(0, e)] if r == k else [])
-        x = DenseMix.apply(alpha[r - 1, read], states, read, [j for j, _ in first], r == R,
-                           *[X for _, X in first]).view(x.shape)
-    return x
-
-
-class RMSProjection(torch.autograd.Function):
-    """MUDD's first projection in its weights' generator, W (X / RMS(X)) per token, computed as
-    r (W X), r = 1/RMS(X): X is read once for r and once by the product (in autocast's dtype, as a
-    Linear under autocast takes it), and no normalised copy is written. Backward, with p = W X:
-    dX = W^T (r dh) + c X, c = -(dh . p) r^3 / C (one multiply-add beside the product),
-    dW = (r dh)^T X."""
-
-    @staticmethod
-    def forward(ctx, X, weight):
-        device = X.device.type
-        dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
-                 else torch.promote_types(X.dtype, weight.dtype))
-        r = rms_inverse(X, keepdim=True)
-        X_low, W_low = X.to(dtype), weight.to(dtype)
-        with torch.autocast(device, enabled=False):
-            p = X_low @ W_low.t()
-            h = p * r.to(dtype)
-        ctx.save_for_backward(X, X_low, W_low, p, r)
-        ctx.weight_dtype = weight.dtype
-        return h
-
-    @staticmethod
-    def backward(ctx, grad_h):
-        X, X_low, W_low, p, r = ctx.saved_tensors
-        with torch.autocast(X.device.type, enabled=False):
-            grad_p = grad_h.to(p.dtype) * r.to(p.dtype)
-            c = (grad_h.to(r.dtype) * p.to(r.dtype)).sum(-1, keepdim=True) * r.pow(3) / -X.shape[-1]
-            grad_X = torch.addcmul(grad_p @ W_low, X, c).to(X.dtype)
-            grad_W = (grad_p.t() @ X_low).to(ctx.weight_dtype)
-        return grad_X, grad_W
-
-
-def mudd_weights(dense, i, X):
-    """The weights (N, ways, i+2) of layer i's ways from its output X_{i+1}, as DynamicDenseWeights
-    makes them, with the RMSNorm moved past the first projection (RMSProjection)."""
-    w1, act, w2 = dense.generators[i]
-    h = act(RMSProjection.apply(X.reshape(-1, X.shape[-1]), w1.weight))
-    return w2(h).unflatten(-1, (dense.ways[i], i + 2)) + dense.bias[i]
-
-
-def mudd(module, x, sublayers, backend):
-    """MUDDFormer with its states in one buffer: each layer's ways are one product per token over
-    the states. Compiled, the class's forward."""
-    if torch.compiler.is_compiling():
-        return module(x, sublayers)
-    dense, n_layer = module.dense, len(sublayers) // 2
-    states = DenseStates(n_layer + 1, x, torch.promote_types(x.dtype, dense.bias[0].dtype),
-                         per_token=True, fused=backend == 'triton')
-    states.add(x)
-    ways, e = (x,), x
-    for i, (attn, mlp) in enumerate(zip(sublayers[0::2], sublayers[1::2])):
-        y = ways[-1] + attn(*ways[:3])
-        X = y + mlp(y)
-        states.add(X)
-        w = mudd_weights(dense, i, X)  # (N, ways, i+2)
-        first = [(0, e), (1, X)] if i == 0 else [(i + 1, X)]
-        mixed = DenseMix.apply(w, states, slice(0, i + 2), [j for j, _ in first], i == n_layer - 1,
-                               *[X for _, X in first])
-        ways = (tuple(way.view(x.shape) for way in mixed) if states.fused
-                else mixed.view(*x.shape[:-1], w.shape[1], x.shape[-1]).unbind(-2))
-    return ways[0]
-
-
 # ------------------------------------------------------------------- the Triton kernels: MUDD's mix
 #
 # One program per tile of tokens (token_tile) reads each state once for all the ways: forward, the
@@ -3287,27 +3184,29 @@ if triton is not None:
             return P3
 
     @triton.jit
+    def _mudd_tile(J, N, C, stride_t, WAYS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+        """This program's tile of BT tokens t: the ways and columns, the masks of (tokens, columns)
+        and of the weights (tokens; it broadcasts over the ways), and the offsets of the weights
+        (ways, tokens) and of the states' rows (tokens, columns)."""
+        t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+        ways, cols = tl.arange(0, WAYS), tl.arange(0, BC)
+        tmask = t < N
+        tc, w_mask = tmask[:, None] & (cols < C)[None, :], tmask[None, :]
+        w_at = t[None, :] * WAYS * J + ways[:, None] * J
+        s_at = t[:, None] * stride_t + cols[None, :]
+        return t, ways, cols, tc, w_mask, w_at, s_at
+
+    @triton.jit
     def _mudd_mix_fwd(W,      # (N, WAYS, J)
                       S,      # (N, J, C), tokens stride_t apart
                       O0,     # (N, C)
                       O1,     # (N, C), or empty past the ways
                       O2,     # (N, C), or empty
                       O3,     # (N, C), or empty
-                      J,
-                      N,
-                      C,
-                      stride_t,
-                      WAYS: tl.constexpr,
-                      ACC: tl.constexpr,
-                      BT: tl.constexpr, BC: tl.constexpr):
+                      J, N, C, stride_t,
+                      WAYS: tl.constexpr, ACC: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
         # a tile of BT tokens: (ways, tokens, channels) mixes, (ways, tokens) weights
-        t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
-        ways, cols = tl.arange(0, WAYS), tl.arange(0, BC)
-        tmask, cmask = t < N, cols < C
-        # (w_mask broadcasts over the ways)
-        tc, w_mask = tmask[:, None] & cmask[None, :], tmask[None, :]
-        w_at, s_at = (t[None, :] * WAYS * J + ways[:, None] * J,
-                      t[:, None] * stride_t + cols[None, :])
+        t, ways, cols, tc, w_mask, w_at, s_at = _mudd_tile(J, N, C, stride_t, WAYS, BT, BC)
         acc = tl.zeros((WAYS, BT, BC), ACC)
         for j in range(J):
             s = tl.load(S + s_at + j * C, mask=tc, other=0.).to(ACC)
@@ -3326,22 +3225,10 @@ if triton is not None:
                       G3,     # (N, C), or G0
                       DW,     # (N, WAYS, J)
                       DS,     # (N, J, C), tokens ds_stride_t apart
-                      J,
-                      N,
-                      C,
-                      stride_t,
-                      ds_stride_t,
-                      ADD: tl.constexpr,
-                      WAYS: tl.constexpr,
-                      ACC: tl.constexpr,
+                      J, N, C, stride_t, ds_stride_t,
+                      ADD: tl.constexpr, WAYS: tl.constexpr, ACC: tl.constexpr,
                       BT: tl.constexpr, BC: tl.constexpr):
-        t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
-        ways, cols = tl.arange(0, WAYS), tl.arange(0, BC)
-        tmask, cmask = t < N, cols < C
-        # (w_mask broadcasts over the ways)
-        tc, w_mask = tmask[:, None] & cmask[None, :], tmask[None, :]
-        w_at, s_at = (t[None, :] * WAYS * J + ways[:, None] * J,
-                      t[:, None] * stride_t + cols[None, :])
+        t, ways, cols, tc, w_mask, w_at, s_at = _mudd_tile(J, N, C, stride_t, WAYS, BT, BC)
         g = tl.zeros((WAYS, BT, BC), ACC)
         for c in tl.static_range(WAYS):  # the ways' gradients, each read once
             g_c = tl.load(_pick(G0, G1, G2, G3, c) + t[:, None] * C + cols[None, :],
@@ -3357,6 +3244,8 @@ if triton is not None:
                 d += tl.load(DS + ds_at, mask=tc, other=0.).to(ACC)
             tl.store(DS + ds_at, d.to(DS.dtype.element_ty), mask=tc)
 
+
+# ----------------------------------------------------------------------------------- the custom ops
 
 @torch.library.custom_op('resroute::mudd_mix', mutates_args=())
 def triton_mudd_mix(weights: Tensor, states: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -3427,6 +3316,148 @@ def _(weights, states, grad_ways, grads):
     return torch.empty_like(weights), states.new_empty(states.shape if grads is None else 0)
 
 
+# ------------------------------------------------------------------------------------ the Functions
+
+class DenseMix(torch.autograd.Function):
+    """One mix of the buffer's states `read` (a slice): weights (J,) give sum_j w_j X_j (N, C);
+    weights (N, ways, J) give, per token, the ways' mixes (N, ways, C), or (fused) a tuple of the
+    ways' (N, C). The autograd inputs are the weights and the states this mix is the first to read
+    (`owned`, buffer indices): it returns their gradients."""
+
+    @staticmethod
+    def forward(ctx, weights, states, read, owned, last, *owned_states):
+        S = states.rows(states.values, read)  # (J, N, C), or (N, J, C) per token
+        w = weights.to(S.dtype)
+        # the class's multiply-adds run in the buffer's precision
+        with torch.autocast(S.device.type, enabled=False):
+            if states.fused:
+                mixed = triton_mudd_mix(w, S)[:w.shape[1]]
+            else:
+                mixed = (torch.bmm(w, S) if states.per_token
+                         else (w @ S.flatten(1)).view(S.shape[1:]))
+        # the last mix saves the buffer (full by then), so that memory accounting sees it
+        ctx.save_for_backward(weights, states.values if last else None)
+        ctx.states, ctx.read, ctx.owned = states, read, owned
+        ctx.owned_like = [(X.shape, X.dtype) for X in owned_states]
+        return mixed
+
+    @staticmethod
+    def backward(ctx, *grad_mixed):
+        weights, _ = ctx.saved_tensors
+        states = ctx.states
+        S = states.rows(states.values, ctx.read)
+        g, w = [g.to(S.dtype) for g in grad_mixed], weights.to(S.dtype)
+        first = states.takes_product(ctx.read)
+        dS = None if first else states.rows(states.grads, ctx.read)
+        with torch.autocast(S.device.type, enabled=False):
+            if states.fused:  # grad_w and dS (+)= w^T g in one pass
+                grad_w, product = triton_mudd_mix_backward(w, S, g, dS)
+            elif states.per_token:  # grad_w = g S^T, dS += w^T g, token by token
+                grad_w = torch.bmm(g[0], S.transpose(1, 2))
+                # (baddbmm_ into the strided rows loops over tokens)
+                product = torch.bmm(w.transpose(1, 2), g[0])
+                if not first:
+                    dS.add_(product)
+            else:
+                grad_w, g = S.flatten(1) @ g[0].flatten(), g[0].flatten()
+                product = torch.outer(w, g).view(S.shape) if first else dS.flatten(1).addr_(w, g)
+        if first:
+            states.grads = product
+        # complete: every later reader has added its share
+        owned = [states.rows(states.grads, j).to(dtype).view(shape)
+                 for j, (shape, dtype) in zip(ctx.owned, ctx.owned_like)]
+        if 1 in ctx.owned:  # the first mix, the last to run backward
+            states.grads = None
+        return grad_w.to(weights.dtype), None, None, None, None, *owned
+
+
+class RMSProjection(torch.autograd.Function):
+    """MUDD's first projection in its weights' generator, W (X / RMS(X)) per token, computed as
+    r (W X), r = 1/RMS(X): X is read once for r and once by the product (in autocast's dtype, as a
+    Linear under autocast takes it), and no normalised copy is written. Backward, with p = W X:
+    dX = W^T (r dh) + c X, c = -(dh . p) r^3 / C (one multiply-add beside the product),
+    dW = (r dh)^T X."""
+
+    @staticmethod
+    def forward(ctx, X, weight):
+        device = X.device.type
+        dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
+                 else torch.promote_types(X.dtype, weight.dtype))
+        r = rms_inverse(X, keepdim=True)
+        X_low, W_low = X.to(dtype), weight.to(dtype)
+        with torch.autocast(device, enabled=False):
+            p = X_low @ W_low.t()
+            h = p * r.to(dtype)
+        ctx.save_for_backward(X, X_low, W_low, p, r)
+        ctx.weight_dtype = weight.dtype
+        return h
+
+    @staticmethod
+    def backward(ctx, grad_h):
+        X, X_low, W_low, p, r = ctx.saved_tensors
+        with torch.autocast(X.device.type, enabled=False):
+            grad_p = grad_h.to(p.dtype) * r.to(p.dtype)
+            c = (grad_h.to(r.dtype) * p.to(r.dtype)).sum(-1, keepdim=True) * r.pow(3) / -X.shape[-1]
+            grad_X = torch.addcmul(grad_p @ W_low, X, c).to(X.dtype)
+            grad_W = (grad_p.t() @ X_low).to(ctx.weight_dtype)
+        return grad_X, grad_W
+
+
+# ------------------------------------------------------------------------------------ the schedules
+
+def denseformer(module, x, sublayers, backend):
+    """DenseFormer with its states in one buffer: each average is one GEMV over the states it reads.
+    Compiled, the class's forward (the compiler fuses its multiply-adds)."""
+    if torch.compiler.is_compiling():
+        return module(x, sublayers)
+    group, k, alpha = 2 * module.period, module.dwa.dilation, module.dwa.alpha
+    R = len(sublayers) // group
+    states = DenseStates(R + 1, x, torch.promote_types(x.dtype, alpha.dtype), per_token=False)
+    states.add(x)
+    e = x
+    for r in range(1, R + 1):
+        for f in sublayers[(r - 1) * group:r * group]:
+            x = x + f(x)
+        states.add(x)
+        read = slice(r % k, r + 1, k)
+        # X_r, and e where the first average reads it
+        first = [(r, x)] + ([(0, e)] if r == k else [])
+        x = DenseMix.apply(alpha[r - 1, read], states, read, [j for j, _ in first], r == R,
+                           *[X for _, X in first]).view(x.shape)
+    return x
+
+
+def mudd_weights(dense, i, X):
+    """The weights (N, ways, i+2) of layer i's ways from its output X_{i+1}, as DynamicDenseWeights
+    makes them, with the RMSNorm moved past the first projection (RMSProjection)."""
+    w1, act, w2 = dense.generators[i]
+    h = act(RMSProjection.apply(X.reshape(-1, X.shape[-1]), w1.weight))
+    return w2(h).unflatten(-1, (dense.ways[i], i + 2)) + dense.bias[i]
+
+
+def mudd(module, x, sublayers, backend):
+    """MUDDFormer with its states in one buffer: each layer's ways are one product per token over
+    the states. Compiled, the class's forward."""
+    if torch.compiler.is_compiling():
+        return module(x, sublayers)
+    dense, n_layer = module.dense, len(sublayers) // 2
+    states = DenseStates(n_layer + 1, x, torch.promote_types(x.dtype, dense.bias[0].dtype),
+                         per_token=True, fused=backend == 'triton')
+    states.add(x)
+    ways, e = (x,), x
+    for i, (attn, mlp) in enumerate(zip(sublayers[0::2], sublayers[1::2])):
+        y = ways[-1] + attn(*ways[:3])
+        X = y + mlp(y)
+        states.add(X)
+        w = mudd_weights(dense, i, X)  # (N, ways, i+2)
+        first = [(0, e), (1, X)] if i == 0 else [(i + 1, X)]
+        mixed = DenseMix.apply(w, states, slice(0, i + 2), [j for j, _ in first], i == n_layer - 1,
+                               *[X for _, X in first])
+        ways = (tuple(way.view(x.shape) for way in mixed) if states.fused
+                else mixed.view(*x.shape[:-1], w.shape[1], x.shape[-1]).unbind(-2))
+    return ways[0]
+
+
 # =============================================================================== the twins by class
 
 # the fast twins, by the class of residuals.py whose maths each computes
@@ -3435,10 +3466,10 @@ FAST = {residuals.AttnRes: attnres,
         residuals.BlockAttnRes: block_attnres,
         residuals.DeltaAttnRes: delta_attnres,
         residuals.WAV: wav,
-        residuals.HyperConnections: functools.partial(streams, 'connections'),
-        residuals.MHC: functools.partial(streams, 'coefficients'),
-        residuals.MHCLite: functools.partial(streams, 'coefficients'),
-        residuals.KromHC: functools.partial(streams, 'coefficients'),
+        residuals.HyperConnections: hc,
+        residuals.MHC: mhc,
+        residuals.MHCLite: mhc,
+        residuals.KromHC: mhc,
         residuals.MultiGateResiduals: mgr,
         residuals.DenseFormer: denseformer,
         residuals.MUDDFormer: mudd}
