@@ -21,7 +21,7 @@ Functions, and the schedule its methods run, which reads the backend once.
     helpers          rms_inverse, token_tile, accumulator, on_device, GradPool (the gradients
                      that several backwards give one tensor), ...
     1. depth mix     m queries read S sources in one pass: mix_torch, _depth_mix_fwd/_bwd,
-                     _triton_depth_mix, DepthMix, SharedRead; Reads (many, continued, one,
+                     _triton_depth_mix, DepthMix, PooledRead; Reads (many, continued, one,
                      matched) and reads(backend), through which sections 2 and 4 read
     2. AttnRes, WAV  attnres, delta_attnres, block_attnres, wav: two-phase reads
     3. HC, mHC       hc, mhc: streams, with TorchStreams (HCStep, MHCStep, MHCLiteStep) or
@@ -153,13 +153,6 @@ def other_dtypes(sources, dtype):
     return {v.dtype for v in sources} - {dtype}
 
 
-def promoted(sources, dtype):
-    """The kernels read every source through one pointer type, so sources of mixed dtypes (under
-    autocast: e float32, updates bfloat16) are promoted, as torch.stack does: temporary copies
-    inside each op, so that autograd keeps the sources themselves, not their copies."""
-    return [v.to(dtype).contiguous() for v in sources]
-
-
 class GradPool:
     """Gradients gathered across the backwards of one forward, where several reads or steps give
     one tensor its gradient: each backward puts its share under a key (a source of the depth reads,
@@ -206,7 +199,7 @@ class GradPool:
 # the gradients of mixed_j and lse_j:
 #
 #     dl_js = w_js (g_j . v_s - g_j . mixed_j + h_j)
-#     dv_s  = sum_j [w_js g_j + dl_js r_s q_j] - (r_s / C) (sum_j dl_js r_s q_j . v_s) v_s
+#     dv_s  = sum_j [w_js g_j + dl_js r_s q_j] - (r_s^2 / C) (sum_j dl_js r_s q_j . v_s) v_s
 #     dq_j  = sum_s dl_js r_s v_s,   db_js = dl_js (summed over tokens)
 #     prior: d mixed_0 = w_j0 g_j,   d lse_0 = dl_j0
 #
@@ -220,7 +213,7 @@ def stacked(tensors):
     return torch.stack(tensors) if len(tensors) > 1 else tensors[0].unsqueeze(0)
 
 
-def inverse_rms(values):
+def stacked_rms_inverse(values):
     """1/RMS of each of the values (S, B, T, 1), from their norms (one pass over each)."""
     norms = [torch.linalg.vector_norm(v, dim=-1, keepdim=True) for v in values]
     return rms_inverse_of_norm(stacked(norms), values[0].shape[-1])
@@ -240,13 +233,13 @@ def mix_torch(queries, bias, sources, prior_mixed, prior_lse, one, rinv=None):
     values, q = [upcast(v) for v in sources], upcast(queries)
     (m, C), tokens = q.shape, values[0].shape[:-1]
     shape = (len(values),) + (() if one else (m,)) + tokens + (1,)
-    rinv = inverse_rms(values) if rinv is None else rinv
+    rinv = stacked_rms_inverse(values) if rinv is None else rinv
     r = rinv if one else rinv.unsqueeze(1)
     products = [torch.mm(q, v.reshape(-1, C).T) for v in values]
     scores = stacked(products).view(shape) * r  # q_j . RMSNorm(v_s)
     logits = scores
-    if bias is not None:  # any tensor of m S numbers, a query's row after another, as the kernels
-        per_read = shape[:1 if one else 2] + (1,) * (len(tokens) + 1)  # take it
+    if bias is not None:  # any tensor of m S numbers, a query's row after another (as the kernels)
+        per_read = shape[:1 if one else 2] + (1,) * (len(tokens) + 1)
         logits = scores + upcast(bias).reshape(m, -1).T.reshape(per_read)
     if prior_lse is not None:  # the prior: one more source, value prior_mixed, logit prior_lse
         logits = torch.cat([logits, prior_lse.view((1,) + prior_lse.shape + (1,))])
@@ -296,7 +289,7 @@ def mix_torch_backward(queries, bias, sources, prior_mixed, saved, grad_mixed, g
     own = grad_logits if prior_mixed is None else grad_logits[:S]
     scaled = own * (rinv if one else rinv.unsqueeze(1))  # dl_js r_s
     along = scaled * scores if one else (scaled * scores).sum(1)
-    along = along * rinv  # (r_s sum_j dl_js r_s v_s.q_j; the 1 / C below)
+    along = along * rinv  # (r_s^2 sum_j dl_js r_s v_s.q_j; the 1 / C below)
     dq, out = None, []
     g_rows = (g,) if one else g.unbind()
     w, sc, al = weights.unbind(), scaled.unbind(), along.unbind()
@@ -331,7 +324,7 @@ class Matched(NamedTuple):
     rho: float
 
 
-def matched(sources):
+def match_flags(sources):
     """A list of sources, tensors or Matched -> the tensors, whether each is matched (1) or not
     (0), and the matched details' rho (0 if none)."""
     state, rhos = None, set()
@@ -348,8 +341,8 @@ def matched(sources):
 
 def rms_match_torch(details, state, rho, eps=MATCH_EPS):
     """WAV's detached RMS matching of several details to one state (residuals.rms_match for each):
-    D~ = s D, s = min(rho, RMS(C) / (RMS(D) + eps)) per token, detached. Norms instead of
-    pow/mean/sqrt, and RMS(C) once: about half the operators."""
+    D~ = s D, s = min(rho, RMS(state) / (RMS(D) + eps)) per token, detached. Norms instead of
+    pow/mean/sqrt, and the state's RMS once: about half the operators."""
     C = state.shape[-1]
     norm = lambda v: torch.linalg.vector_norm(v, dim=-1, keepdim=True, dtype=upcast(v).dtype)
     with torch.no_grad():
@@ -722,19 +715,19 @@ def _depth_mix_backward_into(queries, bias, sources, match, rho, prior_mixed, pr
     return dq.sum(0).to(queries.dtype), extra
 
 
-@torch.library.custom_op('resroute::depth_mix_backward_shared', mutates_args=('grads',))
-def _triton_depth_mix_backward_shared(queries: Tensor, bias: Optional[Tensor],
+@torch.library.custom_op('resroute::depth_mix_backward_pooled', mutates_args=('grads',))
+def _triton_depth_mix_backward_pooled(queries: Tensor, bias: Optional[Tensor],
                                       sources: List[Tensor], match: List[int], rho: float,
                                       mixed: List[Tensor], lse: List[Tensor],
                                       grad_mixed: List[Optional[Tensor]],
                                       grad_lse: List[Optional[Tensor]], grads: List[Tensor],
                                       add: List[int]) -> Tuple[Tensor, List[Tensor]]:
-    """A pooled read's backward (SharedRead): the sources' gradients into `grads`."""
+    """A pooled read's backward (PooledRead): the sources' gradients into `grads`."""
     return _depth_mix_backward_into(queries, bias, sources, match, rho, None, None, mixed, lse,
                                     grad_mixed, grad_lse, grads, add)
 
 
-@_triton_depth_mix_backward_shared.register_fake
+@_triton_depth_mix_backward_pooled.register_fake
 def _(queries, bias, sources, match, rho, mixed, lse, grad_mixed, grad_lse, grads, add):
     return torch.empty_like(queries), [] if bias is None else [torch.empty_like(bias)]
 
@@ -770,7 +763,7 @@ class DepthMix(torch.autograd.Function):
         return dq, db, next(extra, None), next(extra, None), None, *sources_grads
 
 
-class SharedRead(torch.autograd.Function):
+class PooledRead(torch.autograd.Function):
     """One depth read of a Reads' pooled sources (see Reads): forward as an unpooled read; backward,
     each source's share is added into its pooled gradient, and the gradients of the sources this
     read owns (it read them first) are returned. The backend's work is the Reads' (forward_pooled,
@@ -852,35 +845,36 @@ class Reads:
 
     def pool_read(self, queries, bias, sources, one):
         keys = [id(v) for v in sources]  # (a Matched: a source of its own)
-        tensors, match, rho = matched(sources)
+        tensors, match, rho = match_flags(sources)
         if not self.poolable(keys, tensors):
             return self.rows(queries, bias, sources, one=one)
         owned = [key not in self.seen for key in keys]
         self.seen.update(keys)
-        out = SharedRead.apply(queries, bias, self, keys, owned, one, (match, rho), *tensors)
+        out = PooledRead.apply(queries, bias, self, keys, owned, one, (match, rho), *tensors)
         return self.pooled_rows(out, one)
 
-    def inverse_rms(self, sources):
+    def cached_rms_inverse(self, sources):
         """The sources' 1/RMS (S, B, T, 1), each source's computed once per forward."""
         new = [v for v in sources if id(v) not in self.rinv]
         if new:
-            self.rinv.update(zip(map(id, new), inverse_rms([upcast(v) for v in new]).unbind()))
+            rinv = stacked_rms_inverse([upcast(v) for v in new]).unbind()
+            self.rinv.update(zip(map(id, new), rinv))
         return stacked([self.rinv[id(v)] for v in sources])
 
     def forward_pooled(self, ctx, queries, bias, sources, match, one):
-        """SharedRead's forward: the read, and what its backward needs saved on ctx."""
+        """PooledRead's forward: the read, and what its backward needs saved on ctx."""
         mixed, lse, saved = mix_torch(queries, bias, sources, None, None, one,
-                                      self.inverse_rms(sources))
+                                      self.cached_rms_inverse(sources))
         ctx.save_for_backward(queries, bias, *saved, *sources)
         return cast(mixed, common_dtype(sources)), lse
 
     def pooled_rows(self, out, one):
-        """SharedRead's outputs as rows (see rows)."""
+        """PooledRead's outputs as rows (see rows)."""
         mixed, lse = out
         return [(mixed, lse)] if one else list(zip(mixed.unbind(), lse.unbind()))
 
     def backward_pooled(self, ctx, grad_out):
-        """SharedRead's backward: each source's share added into its pooled gradient (in the
+        """PooledRead's backward: each source's share added into its pooled gradient (in the
         computing precision) -> the queries' and the bias's gradients, and the sources."""
         (grad_mixed, grad_lse), (queries, bias, rinv, scores, weights, *sources) = (
             grad_out, ctx.saved_tensors)
@@ -903,7 +897,7 @@ class TritonReads(Reads):
 
     def rows(self, queries, bias, sources, prior=None, one=False):
         prior_mixed, prior_lse = (None, None) if prior is None else prior
-        mixed, lse = _triton_depth_mix(queries, bias, *matched(sources), prior_mixed, prior_lse,
+        mixed, lse = _triton_depth_mix(queries, bias, *match_flags(sources), prior_mixed, prior_lse,
                                        one)
         return list(zip(mixed, lse))
 
@@ -929,7 +923,7 @@ class TritonReads(Reads):
             if self.pool.share(key) is None:  # its last reader, the first to run backward
                 self.pool.put(key, torch.empty(v.shape, dtype=v.dtype, device=v.device))
         grads = [self.pool.share(key) for key in ctx.keys]
-        dq, extra = _triton_depth_mix_backward_shared(
+        dq, extra = _triton_depth_mix_backward_pooled(
             queries, bias, sources, *ctx.match, mixed, lse, grad_out[:len(mixed)],
             grad_out[len(mixed):], grads, add)
         return dq, extra[0] if bias is not None else None, sources
@@ -945,9 +939,27 @@ def reads(backend):
 # Full, Block and Delta AttnRes and WAV as their classes compute them, with every read a depth mix
 # in the AttnRes paper's two phases: the queries of a block (Full and Delta AttnRes: of a chunk of
 # about sqrt(L) sublayers) read the block's finished sources in one pass; each sublayer continues
-# its row with the sources of its own block. WAV's details are matched to their state's RMS (D~ =
-# s D, s = min(rho, RMS(C) / (RMS(D) + eps)) per token, detached: Reads.matched). The schedules
-# read through a Reads (section 1), which holds the backend.
+# its row with the sources of its own block. WAV's details are matched to their state's RMS
+# (Reads.matched). The schedules read through a Reads (section 1), which holds the backend.
+
+# ------------------------------------------------------------------------------------- the Function
+
+class GatedAdd(torch.autograd.Function):
+    """x + gate read for a scalar gate: one operator forward, two backward (autograd's mul and add
+    take two forward and three backward: the gate's gradient as a product and a sum,
+    not one dot)."""
+
+    @staticmethod
+    def forward(ctx, x, gate, read):
+        ctx.save_for_backward(gate, read)
+        return torch.addcmul(x, gate, read)
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, read = ctx.saved_tensors
+        grad_gate = torch.dot(grad.reshape(-1), read.reshape(-1).to(grad.dtype)).to(gate.dtype)
+        return grad, grad_gate, (grad * gate).to(read.dtype)
+
 
 # ------------------------------------------------------------------------------------ the schedules
 
@@ -979,23 +991,6 @@ def attnres(module, x, sublayers, backend):
     queries, L, read = module.read.queries.split(1), len(sublayers), reads(backend)
     sources = chunked(queries, x, L, read, lambda i, h: sublayers[i](h))
     return read.one(queries[L], sources, None)
-
-
-class GatedAdd(torch.autograd.Function):
-    """x + gate read for a scalar gate: one operator forward, two backward (autograd's mul and add
-    take two forward and three backward: the gate's gradient as a product and a sum,
-    not one dot)."""
-
-    @staticmethod
-    def forward(ctx, x, gate, read):
-        ctx.save_for_backward(gate, read)
-        return torch.addcmul(x, gate, read)
-
-    @staticmethod
-    def backward(ctx, grad):
-        gate, read = ctx.saved_tensors
-        grad_gate = torch.dot(grad.reshape(-1), read.reshape(-1).to(grad.dtype)).to(gate.dtype)
-        return grad, grad_gate, (grad * gate).to(read.dtype)
 
 
 def delta_attnres(module, x, sublayers, backend):
@@ -1125,6 +1120,9 @@ def wav(module, x, sublayers, backend):
 # A_r = H_res^T, post = H_post, from the flattened streams' projection). The readout: HC's mean,
 # mHC-lite's sum of the streams. The twins save no streams: a segment of about sqrt(L) sublayers
 # keeps its input streams and a few numbers per token, from which the backward rebuilds the streams.
+# Backward of a sublayer: the update's, d H' = d H, d u = sum_s post_s d H_s, d post_s = d H_s . u;
+# the mixing's, d H += A d(A^T H), d A = H d(A^T H)^T per token; then the connections' own (HCStep,
+# MHCStep: through the projection and the RMS of the streams).
 
 # ---------------------------------------------------------------------------- the PyTorch functions
 
@@ -1164,17 +1162,19 @@ def flat_streams(H):
 class StreamSegment:
     """A run of consecutive sublayers of a multi-stream method (HC, mHC-lite): the streams entering
     it, what each sublayer's step saved (a few numbers per token, from which it computes its
-    connections A and post again: HC's T, mHC-lite's H_res, post and 1/RMS, or for the kernels XW)
+    connections A and post again: HC's T, the mHC family's H_res, post and 1/RMS, or the kernels'
+    XW)
     and each update f(h). Every stream state inside it is rebuilt from these by the forward's own
     ops: H_{j+1} = A_j^T H_j (rows 1..n) + post_j f_j. The streams as the step takes them: H (the
     PyTorch twin), or the kernels' (H, post, u) (see streams)."""
 
-    def __init__(self, start, streams, step):
+    def __init__(self, start, streams, replay):
         detach = lambda t: None if t is None else t.detach()
         self.streams = (detach(streams) if isinstance(streams, Tensor)
                         else tuple(map(detach, streams)))
-        self.start, self.step = start, step  # step(streams, connection, update) -> the next streams
-        self.connections, self.updates, self.rebuilt = [], [], {}
+        # replay(streams, saved, update) -> the next streams
+        self.start, self.replay = start, replay
+        self.saved, self.updates, self.rebuilt = [], [], {}  # saved: (what a step saved, i)
 
     def streams_at(self, i, autocast):
         """The streams entering sublayer i. The first call rebuilds the segment up to i once; each
@@ -1185,13 +1185,13 @@ class StreamSegment:
                 for j in range(self.start, i + 1):
                     self.rebuilt[j] = H
                     if j < i:
-                        H = self.step(H, self.connections[j - self.start],
-                                      self.updates[j - self.start])
+                        H = self.replay(H, self.saved[j - self.start],
+                                        self.updates[j - self.start])
         return self.rebuilt.pop(i)
 
 
 class TorchStreamStep:
-    """The Triton step's PyTorch twin, derivatives by hand, for one forward: the stacked connection
+    """One sublayer's step in PyTorch, derivatives by hand, for one forward: the stacked connection
     parameters (L, ...) in the forms the step computes with, made once without autograd, and the
     backward's gradient rows, one per sublayer, put in a GradPool, which sublayer 0 (the last to run
     backward) turns into the parameters' gradients (each sublayer's own rows through autograd would
@@ -1408,7 +1408,6 @@ class MHCLiteStep(MHCStep):
 
 
 # ---------------------------------------------------------- the Triton kernels: one step a sublayer
-
 #
 # One kernel per sublayer forward: the RMS of the streams, the projection XW (HC: each stream's
 # (C, n + 2) product, in the same pass over the columns; mHC-lite's (n C, 2n + n!) one: a GEMM
@@ -2306,19 +2305,6 @@ def _(grad, update, post):
     return torch.empty_like(update), torch.empty_like(post)
 
 
-def triton_stream_params(connections):
-    """The kind of step and the stacked parameters (L, ...) the kernels read sublayer i's rows of:
-    HC [width, depth, s_a, s_b] (static: [width, depth]), mHC-lite [alpha, bias, the permutations
-    as stream indices]."""
-    if isinstance(connections, residuals.PermutationMixing):
-        return MHC_LITE, [connections.alpha, connections.bias,
-                          connections.permutations.argmax(-1).to(torch.int32)]
-    if connections.dynamic:
-        return HC, [connections.width, connections.depth, connections.width_scale,
-                    connections.depth_scale]
-    return HC_STATIC, [connections.width, connections.depth]
-
-
 # ------------------------------------------------------------------------------------ the Functions
 
 class TorchStreamMix(torch.autograd.Function):
@@ -2327,22 +2313,22 @@ class TorchStreamMix(torch.autograd.Function):
     flattened (N, ...): its products are plain (batched) matrix products."""
 
     @staticmethod
-    def forward(ctx, H, segment, step, *params):
-        i = segment.start + len(segment.connections)
+    def forward(ctx, H, segment, maths, *params):
+        i = segment.start + len(segment.saved)
         # (e's n copies: a stride-0 view, kept as such; the products take a dense copy)
-        h, mixed, post, saved = step(flat_streams(H.contiguous()), i)
+        h, mixed, post, saved = maths(flat_streams(H.contiguous()), i)
         # post.detach(), not the output itself: its grad_fn would hold this ctx, which holds the
         # segment: a cycle through autograd's graph that the garbage collector cannot free (27 MB a
         # step leaked)
         saved = tuple(t.detach() if t is post else t for t in saved)
-        segment.connections.append((saved, i))
+        segment.saved.append((saved, i))
         # saved here too, so that autograd checks them for in-place changes and memory accounting
         # sees them
         ctx.save_for_backward(H if i == segment.start else None, *saved)
         device = H.device.type
         ctx.autocast = dict(device_type=device, dtype=torch.get_autocast_dtype(device),
                             enabled=torch.is_autocast_enabled(device))
-        ctx.segment, ctx.i, ctx.step = segment, i, step
+        ctx.segment, ctx.i, ctx.maths = segment, i, maths
         lead = H.shape[:-2]
         return (h.view(*lead, -1), mixed.view(H.shape),
                 post if post.dim() == 1 else post.view(*lead, -1))
@@ -2353,11 +2339,11 @@ class TorchStreamMix(torch.autograd.Function):
         H = ctx.segment.streams_at(ctx.i, ctx.autocast)
         n, C = H.shape[-2:]
         with torch.autocast(**ctx.autocast):  # the forward's precision for the products
-            grad_H = ctx.step.backward(
+            grad_H = ctx.maths.backward(
                 flat_streams(H), ctx.i, saved, grad_h.reshape(-1, C),
                 grad_mixed.reshape(-1, n, C),
                 grad_post if grad_post.dim() == 1 else grad_post.reshape(-1, n))
-        grads = ctx.step.take() if ctx.i == 0 else [None] * len(ctx.step.params)
+        grads = ctx.maths.take() if ctx.i == 0 else [None] * len(ctx.maths.params)
         return grad_H.view(H.shape), None, None, *grads
 
 
@@ -2380,9 +2366,10 @@ class Advance(torch.autograd.Function):
         return grad, d_post, d_update, None, None
 
 
-class StreamGrads:
-    """The gradients of the stacked connection parameters (L, ...) in one forward with the Triton
-    kernels: sublayer i's backward sums its programs' partial sums into its row, put in a GradPool,
+class StreamParams:
+    """The stacked connection parameters (L, ...) of one forward with the Triton kernels, mHC-lite's
+    projection rearranged for the update's share, and the parameters' gradients: sublayer i's
+    backward sums its programs' partial sums into its row, put in a GradPool,
     and sublayer 0, the last to run backward, stacks the L rows and hands out the parameters'
     gradients as slices of them; the others return None. (Per sublayer one sum, where each
     sublayer's own gradients cost five slices and autograd a stack of L of them per parameter.)"""
@@ -2437,18 +2424,18 @@ class StreamGrads:
 
 
 class TritonStreamMix(torch.autograd.Function):
-    """StreamMix with the Triton kernels: (h, H', post) of sublayer i from the streams (H, post_in,
-    u_in) (H itself, or the last sublayer's H' + post_in^T u_in: see TritonStreams), the
-    projection W (HC: the stacked (L, C, n + 2), or None (static); mHC-lite: sublayer i's) and the
-    stacked connection parameters, saving XW (and mHC-lite's u [W_1 | .. | W_n]: a few numbers per
-    token) and no streams; the backward rebuilds the streams from the segment, and gives the last
-    sublayer's H', post and u their gradients. HC's projection is the kernels' (forward and
+    """TorchStreamMix's twin with the Triton kernels: (h, H', post) of sublayer i from the streams
+    (H, post_in, u_in) (H itself, or the last sublayer's H' + post_in^T u_in: see TritonStreams),
+    the projection W (HC: the stacked (L, C, n + 2), or None (static); mHC-lite: sublayer i's) and
+    the stacked connection parameters, saving XW (and mHC-lite's u [W_1 | .. | W_n]: a few numbers
+    per token) and no streams; the backward rebuilds the streams from the segment, and gives the
+    last sublayer's H', post and u their gradients. HC's projection is the kernels' (forward and
     backward); mHC-lite's is GEMMs beside them. The parameters' gradients gather in a
-    StreamGrads."""
+    StreamParams."""
 
     @staticmethod
     def forward(ctx, H, post_in, u_in, W, segment, grads, *params):
-        i, kind = segment.start + len(segment.connections), grads.kind
+        i, kind = segment.start + len(segment.saved), grads.kind
         if kind == MHC_LITE:  # mHC-lite's projection by cuBLAS: XW (N, K) of the rows (N, n C), of
             # H' + post^T u as H' W and u W_s; H' W at the streams' precision (under autocast, a
             # half-precision copy of H' moved more)
@@ -2463,7 +2450,7 @@ class TritonStreamMix(torch.autograd.Function):
             h, mixed, post, XW = _triton_stream_mix(H, post_in, u_in, None, None, W, list(params),
                                                     i, kind, False)
             XW, UW = None if W is None else XW, None
-        segment.connections.append((XW, i))  # the replay's kernel computes post again from XW
+        segment.saved.append((XW, i))  # the replay's kernel computes post again from XW
         start = (H, post_in, u_in) if i == segment.start else (None,) * 3
         # (mHC-lite's UW: d post_in's share through XW)
         ctx.save_for_backward(*start, W, XW, UW, *params)
@@ -2490,8 +2477,11 @@ class TritonStreamMix(torch.autograd.Function):
         # XW = rows W: rows get d_XW W^T, W gets rows^T d_XW (rows: the streams as the kernel formed
         # them)
         if kind == MHC_LITE:
-            # (e's n copies: a dense copy)
-            rows, d_XW = d_last[2] if d_last else H.reshape(-1, W.shape[0]), d_XW[0]
+            d_XW = d_XW[0]
+            if d_last:
+                rows = d_last[2]
+            else:
+                rows = H.reshape(-1, W.shape[0])  # (e's n copies: a dense copy)
             d_H.view(rows.shape).addmm_(d_XW.to(d_H.dtype),
                                         ctx.grads.transposed(ctx.i).to(d_H.dtype))
             grad_W = (rows.t() @ d_XW.to(rows.dtype)).to(W.dtype)
@@ -2566,18 +2556,31 @@ class TorchStreams:
         return TorchStreamMix.apply(H, segment, self.maths, *self.maths.params)
 
     def join(self, mixed, post, u, segment):
-        post_again = self.maths.post_again(*segment.connections[-1])
+        post_again = self.maths.post_again(*segment.saved[-1])
         return Advance.apply(mixed, post, u, advance_backward, post_again)
 
-    def replay(self, H, connection, u):
-        """The streams after a sublayer, from the streams before it, what its step saved and its
-        update."""
-        saved, i = connection
+    def replay(self, H, saved, u):
+        """The streams after a sublayer, from the streams before it, what its step saved (with its
+        index) and its update."""
+        saved, i = saved
         _, mixed, post, _ = self.maths(flat_streams(H), i, saved)
         return advance(mixed, post, u.view(-1, u.shape[-1])).view(H.shape)
 
     def last(self, H):
         return H
+
+
+def triton_stream_params(connections):
+    """The kind of step and the stacked parameters (L, ...) the kernels read sublayer i's rows of:
+    HC [width, depth, s_a, s_b] (static: [width, depth]), mHC-lite [alpha, bias, the permutations
+    as stream indices]."""
+    if isinstance(connections, residuals.PermutationMixing):
+        return MHC_LITE, [connections.alpha, connections.bias,
+                          connections.permutations.argmax(-1).to(torch.int32)]
+    if connections.dynamic:
+        return HC, [connections.width, connections.depth, connections.width_scale,
+                    connections.depth_scale]
+    return HC_STATIC, [connections.width, connections.depth]
 
 
 class TritonStreams:
@@ -2589,7 +2592,7 @@ class TritonStreams:
 
     def __init__(self, connections, H, L):
         self.kind, self.params = triton_stream_params(connections)
-        self.grads = StreamGrads(self.kind, self.params, getattr(connections, 'proj', None))
+        self.grads = StreamParams(self.kind, self.params, getattr(connections, 'proj', None))
         # mHC-lite's projections one per sublayer: one backward node gathers their gradients
         self.projections = [self.grads.W] * L
         if self.kind == MHC_LITE:
@@ -2603,8 +2606,8 @@ class TritonStreams:
     def join(self, mixed, post, u, segment):
         return mixed, post, u
 
-    def replay(self, state, connection, u):
-        XW, i = connection
+    def replay(self, state, saved, u):
+        XW, i = saved
         _, mixed, post, _ = _triton_stream_mix(*state, XW, None, None, self.params, i, self.kind,
                                                True)
         return mixed, post, u
