@@ -23,14 +23,15 @@ Functions, and the schedule its methods run, which reads the backend once.
     1. depth mix     m queries read S sources in one pass: mix_torch, _depth_mix_fwd/_bwd,
                      _triton_depth_mix, DepthMix, PooledRead; Reads (many, continued, one,
                      matched) and reads(backend), through which sections 2 and 4 read
-    2. AttnRes, WAV  attnres, delta_attnres, block_attnres, wav: two-phase reads
+    2. AttnRes, WAV  attnres, delta_attnres, block_attnres, wav: two-phase reads (GatedAdd)
     3. HC, mHC       hc, mhc: streams, with TorchStreams (HCStep, MHCStep, MHCLiteStep) or
                      TritonStreams (_stream_mix_fwd/_bwd); the streams rebuilt in the backward
                      (StreamSegment)
     4. MGR           mgr: MGRStep, the fused step (gates, update, AttnPool), its backward
                      inverting the update; TORCH_STEP or TRITON_STEP
     5. Dense, MUDD   denseformer, mudd: the states in one buffer (DenseStates, DenseMix);
-                     MUDD's mix in _mudd_mix_fwd/_bwd
+                     MUDD's mix in _mudd_mix_fwd/_bwd, its weights' first projection
+                     (RMSProjection)
     FAST             the twins by class
 """
 import functools
@@ -113,14 +114,14 @@ def reduction_programs(n_tiles):
     return min(n_tiles, 512)
 
 
-# elements of a (queries, tokens, channels) block in a depth-mix, RMS-match or MGR-step program
+# elements of a (queries, tokens, channels) block in a depth-mix, MGR-step or MUDD-mix program
 TILE = 1024
 
 
 def token_tile(m, C, N):
-    """Tokens per program of the depth-mix, RMS-match and MGR-step kernels, for m queries (MGR: n
-    streams) of width C over N tokens: as many as keep an (m, tokens, C) block within TILE elements.
-    One token from width 513 on (GPT-2's 768: a program per token, as the kernels were first
+    """Tokens per program of the depth-mix, MGR-step and MUDD-mix kernels, for m queries (MGR: n
+    streams; MUDD: ways) of width C over N tokens: as many as keep an (m, tokens, C) block within
+    TILE elements. One token at GPT-2's 768 (a program per token, as the kernels were first
     measured); at small widths several, where one token's program would sit nearly idle (and the
     interpreter, which pays per operation, runs the tests many times faster)."""
     return max(1, min(next_pow2(N), TILE // (next_pow2(m) * next_pow2(C))))
@@ -158,9 +159,9 @@ class GradPool:
     one tensor its gradient: each backward puts its share under a key (a source of the depth reads,
     a sublayer's rows of the stacked stream parameters), added to what is there, and the owner, the
     last of them to run backward (the first in the forward), takes the total and hands it to
-    autograd; the others return None for it, so autograd sums nothing. A backward that stops short
-    of the owner (autograd.grad with inputs inside the model) leaves its shares for a second
-    backward through the same graph."""
+    autograd; the others return None for it, so autograd sums nothing. (A backward that stops short
+    of the owner, autograd.grad with inputs inside the model, leaves its shares in the pool: a
+    second backward through the same graph adds to them.)"""
 
     def __init__(self):
         self.shares = {}
@@ -937,10 +938,13 @@ def reads(backend):
 # ==================================================================== 2. the AttnRes family and WAV
 #
 # Full, Block and Delta AttnRes and WAV as their classes compute them, with every read a depth mix
-# in the AttnRes paper's two phases: the queries of a block (Full and Delta AttnRes: of a chunk of
-# about sqrt(L) sublayers) read the block's finished sources in one pass; each sublayer continues
-# its row with the sources of its own block. WAV's details are matched to their state's RMS
-# (Reads.matched). The schedules read through a Reads (section 1), which holds the backend.
+# in the AttnRes paper's two phases. Sublayer i reads h_i = sum_s softmax_s(q_i . RMSNorm(v_s)
+# + b_is) v_s over its sources (Full: e and every update so far; Block: e, the finished blocks'
+# sums and its own block's partial sum; WAV: those and the blocks' matched details). Phase 1: the
+# queries of a block (Full and Delta AttnRes: of a chunk of about sqrt(L) sublayers) read the
+# sources finished before it in one pass; phase 2: each sublayer continues its row with the
+# sources of its own block. The backward is the reads' (section 1). The schedules read through a
+# Reads, which holds the backend.
 
 # ------------------------------------------------------------------------------------- the Function
 
@@ -1076,7 +1080,7 @@ def wav(module, x, sublayers, backend):
     types is made first, so that every read's bias is gathered at once."""
     queries, L = module.read.queries.split(1), len(sublayers)
     blocks, types = wav_plan(module, L)
-    # conservative: e and block sums
+    # the output mixer reads every source, or (conservative) e and the block sums only
     readout = types if module.detail_readout else [t for t in types if t < 0]
     biases = iter(detail_biases(module, blocks, readout))
     sources, read = [x], reads(backend)  # the finished pool
@@ -2640,9 +2644,24 @@ def compiled_streams(module, connections, H, sublayers):
 # n streams s_j, started by e and the first n - 1 updates; each later sublayer's update u moves
 # every stream by its gate, s_j <- s_j + beta_j (u - s_j), beta from the streams' own RMS-normalised
 # scores (competitive: a softmax with a keep logit; independent: sigmoids), and the next sublayer
-# reads h = AttnPool(s) (residuals.MultiGateResiduals). One step does the gates, the update and the
-# next AttnPool in one pass over the streams; its backward can rebuild the step's input streams from
-# its output by inverting the update (see mgr).
+# reads h = AttnPool(s) (residuals.MultiGateResiduals). One step, per token, with r_j = 1/RMS(s_j)
+# and r'_j = 1/RMS(s'_j), g and p the gate's and the pool's query:
+#
+#     z_j = r_j s_j . g,   beta = softmax([b, z])[1:] (competitive) or sigmoid(z + b)
+#     s'_j = s_j + beta_j (u - s_j),   y_j = r'_j s'_j . p,   alpha = softmax(y)
+#     h = sum_j alpha_j s'_j
+#
+# backward, from g_h and the new streams' gradients g'_j:
+#
+#     dy_j = alpha_j g_h . (s'_j - h)
+#     ds'_j = g'_j + alpha_j g_h + dy_j r'_j (p - (y_j r'_j / C) s'_j)
+#     du = sum_j beta_j ds'_j,   dbeta_j = ds'_j . (u - s_j)
+#     dz: sigmoid's or the softmax's backward (with the keep logit b),   ds_j = (1 - beta_j) ds'_j
+#         + dz_j r_j (g - (z_j r_j / C) s_j)
+#
+# One step does the gates, the update and the next AttnPool in one pass over the streams; its
+# backward can rebuild the step's input streams from its output by inverting the update, s_j =
+# (s'_j - beta_j u) / (1 - beta_j), so the steps keep one set of streams (MGRStep).
 
 # ---------------------------------------------------------------------------- the PyTorch functions
 
@@ -3010,21 +3029,21 @@ class MGRStep(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, streams, u, gate_query, gate_bias, pool_query, competitive, fallback_p, tape,
-                step, last, kernels, rinv):
+                step, last, step_fns, rinv):
         keep = min(fallback_p, streams.shape[0]) if tape is not None else 0
         args = streams, u, gate_query, gate_bias, pool_query, competitive, keep
-        step_forward, _ = kernels
+        step_forward, _ = step_fns
         new, h, beta, alpha, index, kept, scores = step_forward(*args, rinv)
         if tape is None:
-            streams_kept = [streams]
+            saved_streams = [streams]
         elif last:
-            streams_kept = [new]
+            saved_streams = [new]
         else:
-            streams_kept = []
+            saved_streams = []
         ctx.save_for_backward(u, gate_query, gate_bias, pool_query, beta, alpha, index, kept,
-                              *scores, *streams_kept)
-        ctx.competitive, ctx.tape, ctx.step, ctx.kernels, ctx.n_scores = (
-            competitive, tape, step, kernels, len(scores))
+                              *scores, *saved_streams)
+        ctx.competitive, ctx.tape, ctx.step, ctx.step_fns, ctx.n_scores = (
+            competitive, tape, step, step_fns, len(scores))
         # the new streams' 1/RMS, the next step's (PyTorch; exact only where the streams keep its
         # precision)
         rinv_new = scores[2] if scores and scores[2].dtype == new.dtype else None
@@ -3052,7 +3071,7 @@ class MGRStep(torch.autograd.Function):
                                "inner step use mgr_fallback_p=-1")
         args = (x, u, gate_query, gate_bias, pool_query, beta, alpha, index, kept, grad_new, grad_h,
                 ctx.competitive, invert)
-        _, step_backward = ctx.kernels
+        _, step_backward = ctx.step_fns
         d_s, d_u, d_gate, d_bias, d_pool, rebuilt = step_backward(*args, scores)
         if invert:
             ctx.tape[ctx.step - 1] = rebuilt.to(x.dtype)
@@ -3061,13 +3080,13 @@ class MGRStep(torch.autograd.Function):
 
 
 def mgr_step(streams, u, gate_query, gate_bias, pool_query, competitive, fallback_p, tape, step,
-             last, kernels, rinv=None):
+             last, step_fns, rinv=None):
     """Fused MGR step: streams (n, B, T, C), u (B, T, C), gate_bias (1,) -> (new streams, h
-    (B, T, C), the new streams' 1/RMS for the next step (PyTorch) or None); see MGRStep. kernels:
-    the step and its backward (TORCH_STEP or TRITON_STEP). The kernels take the tokens' shape as it
-    is: no views around them."""
+    (B, T, C), the new streams' 1/RMS for the next step (PyTorch) or None); see MGRStep. step_fns:
+    the step and its backward (TORCH_STEP or TRITON_STEP), which take the tokens' shape as it is:
+    no views around them. step: the sublayer's index."""
     new, h, *_, rinv = MGRStep.apply(streams, u, gate_query, gate_bias, pool_query, competitive,
-                                     fallback_p, tape, step, last, kernels, rinv)
+                                     fallback_p, tape, step, last, step_fns, rinv)
     return new, h, rinv
 
 
@@ -3083,12 +3102,12 @@ def mgr(module, x, sublayers, backend):
     forward; the originals of the p largest gates per token are kept. The plain step (torch, p = -1)
     is the class's forward."""
     fallback_p = getattr(module, 'fallback_p', 1)
-    if backend == 'triton':  # the family's one choice of backend
-        kernels = TRITON_STEP
+    if backend == 'triton':  # the step's one choice of backend (the AttnPools': reads(backend))
+        step_fns = TRITON_STEP
     elif fallback_p < 0:
         return module(x, sublayers)
     else:
-        kernels = TORCH_STEP
+        step_fns = TORCH_STEP
     n, gates = module.n, module.gates
     # Python state: eager only
     tape = {} if fallback_p >= 0 and not torch.compiler.is_compiling() else None
@@ -3109,20 +3128,24 @@ def mgr(module, x, sublayers, backend):
             j = i - (n - 1)
             streams, h, rinv = mgr_step(
                 streams, u, gate_queries[j], gate_bias[j], pool_queries[i + 1], gates.competitive,
-                fallback_p, tape, i, i == len(sublayers) - 1, kernels, rinv)
+                fallback_p, tape, i, i == len(sublayers) - 1, step_fns, rinv)
     return h
 
 
 # ================================================ 5. DenseFormer and MUDD: the states in one buffer
 #
 # After each layer (DenseFormer: each group of layers), a mix of the states X_0..X_r so far: scalar
-# weights for DenseFormer's average, per-token weights of each way for MUDD. The twins copy each
-# state once into one buffer, and each mix is one product over it, in the states' precision (float32
-# under autocast, as the classes' sums: the residual stream stays float32). DenseFormer: PyTorch
-# only (both backends), each average one GEMV. MUDD with Triton: each layer's ways one kernel
-# forward and one backward (below), which reads the ways' gradients as they come where the batched
-# product needs them stacked, and adds into the gradients' rows in the same pass. MUDD's weights:
-# the generator's RMSNorm moved past its first projection (RMSProjection).
+# weights for DenseFormer's average, per-token weights of each way for MUDD:
+#
+#     mix_c = sum_j w_cj X_j;   backward: dw_cj = g_c . X_j,   dX_j += sum_c w_cj g_c
+#
+# (MUDD: per token, ways c; DenseFormer: one way, the w_j shared by every token). The twins copy
+# each state once into one buffer, and each mix is one product over it, in the states' precision
+# (float32 under autocast, as the classes' sums: the residual stream stays float32). DenseFormer:
+# PyTorch only (both backends), each average one GEMV. MUDD with Triton: each layer's ways one
+# kernel forward and one backward (below), which reads the ways' gradients as they come where the
+# batched product needs them stacked, and adds into the gradients' rows in the same pass. MUDD's
+# weights: the generator's RMSNorm moved past its first projection (RMSProjection).
 
 # ---------------------------------------------------------------------------- the PyTorch functions
 
