@@ -176,7 +176,7 @@ def execute(runs, jobs, results_dir):
         os.makedirs(run['out_dir'], exist_ok=True)
         t0 = time.time()
         with open(os.path.join(run['out_dir'], 'train.out'), 'a') as out:
-            result = subprocess.run(command(run), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
+            subprocess.run(command(run), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
         kept = collect(run, results_dir, wall_s=time.time() - t0)  # a finished run, or one that diverged
         status = 'FAILED' if kept is None else 'diverged' if 'diverged_at' in kept else 'ok'
         print(f"{status:<8} {run['out_dir']} ({time.time() - t0:.0f}s)", flush=True)
