@@ -788,6 +788,12 @@ class PooledRead(torch.autograd.Function):
 
 # ---------------------------------------------------------------------------------------- the reads
 
+def unbound_rows(mixed, lse, one):
+    """A read's outputs, mixed (m, B, T, C) and lse (m, B, T), as its m rows [(mixed, lse)]; one
+    (m = 1): [(mixed, None)] as they are."""
+    return [(mixed, lse)] if one else list(zip(mixed.unbind(), lse.unbind()))
+
+
 class Reads:
     """The depth reads of one forward, in PyTorch (TritonReads: with the kernels); reads(backend)
     makes one. Three reads, by how many queries read and whether a prior row is given (a row: a
@@ -836,8 +842,8 @@ class Reads:
         or None -> the m rows [(mixed, lse)]; one (m = 1): [(mixed, None)] (no lse: no one merges
         a single query's read further). The autograd Function's rows are unbound once."""
         prior_mixed, prior_lse = (None, None) if prior is None else prior
-        mixed, lse = DepthMix.apply(queries, bias, prior_mixed, prior_lse, one, *sources)
-        return [(mixed, lse)] if one else list(zip(mixed.unbind(), lse.unbind()))
+        out = DepthMix.apply(queries, bias, prior_mixed, prior_lse, one, *sources)
+        return unbound_rows(*out, one)
 
     # the pool
     def poolable(self, keys, tensors):
@@ -871,8 +877,7 @@ class Reads:
 
     def pooled_rows(self, out, one):
         """PooledRead's outputs as rows (see rows)."""
-        mixed, lse = out
-        return [(mixed, lse)] if one else list(zip(mixed.unbind(), lse.unbind()))
+        return unbound_rows(*out, one)
 
     def backward_pooled(self, ctx, grad_out):
         """PooledRead's backward: each source's share added into its pooled gradient (in the
@@ -2200,7 +2205,7 @@ def _(H, post_in, u_in, XW, UW, W, params, i, kind, replay):
 
 @torch.library.custom_op('resroute::stream_mix_backward', mutates_args=())
 def _triton_stream_mix_backward(H: Tensor, post_in: Optional[Tensor], u_in: Optional[Tensor],
-                                UW: Optional[Tensor], XW: Optional[Tensor], W: Optional[Tensor],
+                                XW: Optional[Tensor], UW: Optional[Tensor], W: Optional[Tensor],
                                 params: List[Tensor], i: int, kind: int, grad_h: Tensor,
                                 grad_mixed: Tensor, grad_post: Tensor, low: Optional[torch.dtype]
                                 ) -> Tuple[Tensor, List[Tensor], Tensor, List[Tensor]]:
@@ -2250,7 +2255,7 @@ def _triton_stream_mix_backward(H: Tensor, post_in: Optional[Tensor], u_in: Opti
 
 
 @_triton_stream_mix_backward.register_fake
-def _(H, post_in, u_in, UW, XW, W, params, i, kind, grad_h, grad_mixed, grad_post, low):
+def _(H, post_in, u_in, XW, UW, W, params, i, kind, grad_h, grad_mixed, grad_post, low):
     acc, (n, C), N = accumulator(H.dtype)[0], H.shape[-2:], H.numel() // (H.shape[-2] * H.shape[-1])
     K, n_perm = _projection_sizes(XW, W, params, kind)
     return (H.new_empty(H.shape), [XW.new_empty(XW.shape, dtype=acc)] if kind == MHC_LITE else [],
@@ -2472,7 +2477,7 @@ class TritonStreamMix(torch.autograd.Function):
         # the precision of autocast's
         low = (ctx.autocast['dtype'] if ctx.autocast['enabled'] and H.dtype == torch.float32
                else None)
-        d_H, d_XW, parts, d_last = _triton_stream_mix_backward(H, post_in, u_in, UW, XW,
+        d_H, d_XW, parts, d_last = _triton_stream_mix_backward(H, post_in, u_in, XW, UW,
                                                                W if kind == HC else None, params,
                                                                ctx.i, kind, grad_h, grad_mixed,
                                                                grad_post, low)
