@@ -483,7 +483,7 @@ def plot(results, rows, path, references=REFERENCES):
             x = [int(i) for i in iters]
             ax.plot(x, [statistics.mean(v) for v in values], color=colors[method], label=method)
             ax.fill_between(x, [min(v) for v in values], [max(v) for v in values], color=colors[method], alpha=0.2)
-        ax.set(title=f"{group}: val loss, mean and min-max over seeds", xlabel='iteration', ylabel='val loss (nats)')
+        ax.set(title=f"{group}:\nval loss, mean and min-max over seeds", xlabel='iteration', ylabel='val loss (nats)')
     ax.legend(fontsize=7)
     for ax, ref in zip(axes[1:], references):
         compared = [m for m in methods if any(row['method'] == m and ref in row['versus'] for row in rows)]
