@@ -60,10 +60,11 @@ GRIDS = {
                   dict(configs=[['config/cpu_depth.py', f'--n_layer={n}'] for n in (12, 24)],
                        variants=[*MGR_VARIANTS, ['--residual=attnres'], ['--residual=mhc_lite']], seeds=[0, 1, 2]),
                   # (MUDD at 48 layers is unstable in the warmup to the recipe's 2e-3, and at 1e-3; at 5e-4 it is
-                  # not: docs/METHODS.md. It runs at both, the recipe's runs reported as they end)
-                  dict(configs=[['config/cpu_depth.py', '--n_layer=48']],
-                       variants=[['--residual=mudd'], ['--residual=denseformer'],
-                                 ['--residual=mudd', '--learning_rate=5e-4', '--min_lr=5e-5']], seeds=[0, 1, 2]),
+                  # not: docs/METHODS.md. It runs at both, the recipe's runs reported as they end; seed by seed)
+                  *[dict(configs=[['config/cpu_depth.py', '--n_layer=48']],
+                         variants=[['--residual=mudd'], ['--residual=denseformer'],
+                                   ['--residual=mudd', '--learning_rate=5e-4', '--min_lr=5e-5']], seeds=[seed])
+                    for seed in range(3)],
                   *[dict(configs=[['config/cpu_depth.py', '--n_layer=24']],
                          variants=[['--residual=block_attnres'], ['--residual=wav']], seeds=[seed]) for seed in range(3, 8)]],
     # the WAV paper's largest gain (TinyStories, 48 layers) at the depth recipe on the TinyStories slice
