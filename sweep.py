@@ -59,8 +59,8 @@ GRIDS = {
                   # the MGR paper's comparison at depth: MGR at its four settings beside the methods it names
                   dict(configs=[['config/cpu_depth.py', f'--n_layer={n}'] for n in (12, 24)],
                        variants=[*MGR_VARIANTS, ['--residual=attnres'], ['--residual=mhc_lite']], seeds=[0, 1, 2]),
-                  # (MUDD at 48 layers is unstable in the warmup to the recipe's 2e-3, and at 1e-3; at 5e-4 it is
-                  # not: docs/METHODS.md. It runs at both, the recipe's runs reported as they end; seed by seed)
+                  # (MUDD at 48 layers diverges at the recipe's 2e-3 and does not train at 5e-4 either:
+                  # docs/METHODS.md. It runs at both, each run reported as it ends; seed by seed)
                   *[dict(configs=[['config/cpu_depth.py', '--n_layer=48']],
                          variants=[['--residual=mudd'], ['--residual=denseformer'],
                                    ['--residual=mudd', '--learning_rate=5e-4', '--min_lr=5e-5']], seeds=[seed])
