@@ -45,10 +45,18 @@ MGR_VARIANTS = [['--residual=mgr', *([f'--mgr_streams={n}'] if n != 4 else []),
                 for n in (4, 8) for gate in ('competitive', 'independent')]
 FINEWEB_VARIANTS = [['--residual=prenorm'], ['--residual=mhc_lite'], ['--residual=block_attnres'],
                     ['--residual=attnres'], *MGR_VARIANTS]
+
+
+def mudd_at(rate, min_lr):
+    """MUDD at a learning rate other than its config's (as written: they name its runs)."""
+    return ['--residual=mudd', f'--learning_rate={rate}', f'--min_lr={min_lr}']
+
+
 GRIDS = {
     # the CPU depth trend: prenorm, block_attnres and wav at 48, 24 and 12 layers of width 64, three seeds, then
     # (in the order of what each decides) WAV against Block AttnRes at 48 layers to eight seeds, the dense
-    # baselines at 12 and 24 layers, then at 48, then WAV against Block AttnRes at 24 layers to eight seeds.
+    # baselines at 12 and 24 layers, then at 48 (MUDD at lower rates: it does not train at the recipe's),
+    # then WAV against Block AttnRes at 24 layers to eight seeds.
     # The extra seeds run seed by seed, so that each finished pair is a comparison.
     'cpu_depth': [dict(configs=[['config/cpu_depth.py', f'--n_layer={n}'] for n in (48, 24, 12)],
                        variants=[[f'--residual={r}'] for r in ('prenorm', 'block_attnres', 'wav')], seeds=[0, 1, 2]),
@@ -59,14 +67,20 @@ GRIDS = {
                   # the MGR paper's comparison at depth: MGR at its four settings beside the methods it names
                   dict(configs=[['config/cpu_depth.py', f'--n_layer={n}'] for n in (12, 24)],
                        variants=[*MGR_VARIANTS, ['--residual=attnres'], ['--residual=mhc_lite']], seeds=[0, 1, 2]),
-                  # (MUDD at 48 layers diverges at the recipe's 2e-3 and does not train at 5e-4 either:
-                  # docs/METHODS.md. It runs at both, each run reported as it ends; seed by seed)
+                  # MUDD at 48 layers diverges at the recipe's 2e-3 and does not train at 5e-4 (seeds 0-1;
+                  # docs/METHODS.md): DenseFormer's third seed, then two lower rates for MUDD, then the 24-layer
+                  # seeds, then the third seeds of MUDD's two failed rates. Each run reported as it ends
                   *[dict(configs=[['config/cpu_depth.py', '--n_layer=48']],
-                         variants=[['--residual=mudd'], ['--residual=denseformer'],
-                                   ['--residual=mudd', '--learning_rate=5e-4', '--min_lr=5e-5']], seeds=[seed])
-                    for seed in range(3)],
+                         variants=[['--residual=mudd'], ['--residual=denseformer'], mudd_at('5e-4', '5e-5')], seeds=[seed])
+                    for seed in range(2)],
+                  dict(configs=[['config/cpu_depth.py', '--n_layer=48']], variants=[['--residual=denseformer']],
+                       seeds=[2]),
+                  dict(configs=[['config/cpu_depth.py', '--n_layer=48']], variants=[mudd_at('2e-4', '2e-5'), mudd_at('1e-4', '1e-5')],
+                       seeds=[0]),
                   *[dict(configs=[['config/cpu_depth.py', '--n_layer=24']],
-                         variants=[['--residual=block_attnres'], ['--residual=wav']], seeds=[seed]) for seed in range(3, 8)]],
+                         variants=[['--residual=block_attnres'], ['--residual=wav']], seeds=[seed]) for seed in range(3, 8)],
+                  dict(configs=[['config/cpu_depth.py', '--n_layer=48']], variants=[['--residual=mudd'], mudd_at('5e-4', '5e-5')],
+                       seeds=[2])],
     # the WAV paper's largest gain (TinyStories, 48 layers) at the depth recipe on the TinyStories slice
     # (python data.py tinystories_slice): Block AttnRes and WAV, eight seeds, seed by seed so that each
     # finished pair is a comparison
