@@ -1181,9 +1181,10 @@ class StreamSegment:
         detach = lambda t: None if t is None else t.detach()
         self.streams = (detach(streams) if isinstance(streams, Tensor)
                         else tuple(map(detach, streams)))
-        # replay(streams, saved, update) -> the next streams
+        # replay(streams, j, saved, update) -> the streams after sublayer j
         self.start, self.replay = start, replay
-        self.saved, self.updates, self.rebuilt = [], [], {}  # saved: (what a step saved, i)
+        # saved[j - start], updates[j - start]: what sublayer j's step saved, and its update
+        self.saved, self.updates, self.rebuilt = [], [], {}
 
     def streams_at(self, i, autocast):
         """The streams entering sublayer i. The first call rebuilds the segment up to i once; each
@@ -1194,7 +1195,7 @@ class StreamSegment:
                 for j in range(self.start, i + 1):
                     self.rebuilt[j] = H
                     if j < i:
-                        H = self.replay(H, self.saved[j - self.start],
+                        H = self.replay(H, j, self.saved[j - self.start],
                                         self.updates[j - self.start])
         return self.rebuilt.pop(i)
 
@@ -2322,15 +2323,14 @@ class TorchStreamMix(torch.autograd.Function):
     flattened (N, ...): its products are plain (batched) matrix products."""
 
     @staticmethod
-    def forward(ctx, H, segment, maths, *params):
-        i = segment.start + len(segment.saved)
+    def forward(ctx, H, segment, i, maths, *params):
         # (e's n copies: a stride-0 view, kept as such; the products take a dense copy)
         h, mixed, post, saved = maths(flat_streams(H.contiguous()), i)
         # post.detach(), not the output itself: its grad_fn would hold this ctx, which holds the
         # segment: a cycle through autograd's graph that the garbage collector cannot free (27 MB a
         # step leaked)
         saved = tuple(t.detach() if t is post else t for t in saved)
-        segment.saved.append((saved, i))
+        segment.saved.append(saved)
         # saved here too, so that autograd checks them for in-place changes and memory accounting
         # sees them
         ctx.save_for_backward(H if i == segment.start else None, *saved)
@@ -2353,7 +2353,7 @@ class TorchStreamMix(torch.autograd.Function):
                 grad_mixed.reshape(-1, n, C),
                 grad_post if grad_post.dim() == 1 else grad_post.reshape(-1, n))
         grads = ctx.maths.take() if ctx.i == 0 else [None] * len(ctx.maths.params)
-        return grad_H.view(H.shape), None, None, *grads
+        return grad_H.view(H.shape), None, None, None, *grads
 
 
 class Advance(torch.autograd.Function):
@@ -2443,8 +2443,8 @@ class TritonStreamMix(torch.autograd.Function):
     StreamParams."""
 
     @staticmethod
-    def forward(ctx, H, post_in, u_in, W, segment, grads, *params):
-        i, kind = segment.start + len(segment.saved), grads.kind
+    def forward(ctx, H, post_in, u_in, W, segment, i, grads, *params):
+        kind = grads.kind
         if kind == MHC_LITE:  # mHC-lite's projection by cuBLAS: XW (N, K) of the rows (N, n C), of
             # H' + post^T u as H' W and u W_s; H' W at the streams' precision (under autocast, a
             # half-precision copy of H' moved more)
@@ -2459,7 +2459,7 @@ class TritonStreamMix(torch.autograd.Function):
             h, mixed, post, XW = _triton_stream_mix(H, post_in, u_in, None, None, W, list(params),
                                                     i, kind, False)
             XW, UW = None if W is None else XW, None
-        segment.saved.append((XW, i))  # the replay's kernel computes post again from XW
+        segment.saved.append(XW)  # the replay's kernel computes post again from XW
         start = (H, post_in, u_in) if i == segment.start else (None,) * 3
         # (mHC-lite's UW: d post_in's share through XW)
         ctx.save_for_backward(*start, W, XW, UW, *params)
@@ -2500,11 +2500,12 @@ class TritonStreamMix(torch.autograd.Function):
                 d_u.view(-1, d_u.shape[-1]).addmm_(d_uw, ctx.grads.by_stream_transposed(ctx.i).to(
                     d_uw.dtype))
         if ctx.i > 0:
-            return d_H, d_post, d_u, grad_W, None, None, *[None] * len(params)
+            return d_H, d_post, d_u, grad_W, None, None, None, *[None] * len(params)
         grads = ctx.grads.take()
         if kind == HC:
             grad_W = grads.pop()
-        return d_H, d_post, d_u, grad_W, None, None, *(grads + [None] * (len(params) - len(grads)))
+        rest = grads + [None] * (len(params) - len(grads))
+        return d_H, d_post, d_u, grad_W, None, None, None, *rest
 
 
 # ------------------------------------------------------------------------------------ the schedules
@@ -2534,8 +2535,7 @@ def streams(connections, module, x, sublayers, backend):
     # mHC's and KromHC's H_res have no Triton kernel: there the triton backend runs the PyTorch twin
     triton_ok = isinstance(connections, (residuals.HCConnections, residuals.PermutationMixing))
     # the family's one choice of backend
-    plan = (TritonStreams if backend == 'triton' and triton_ok else TorchStreams)(connections, H,
-                                                                                 len(sublayers))
+    plan = (TritonStreams if backend == 'triton' and triton_ok else TorchStreams)(connections, H)
     state = plan.start
     for i, f in enumerate(sublayers):
         if i % length == 0:
@@ -2543,7 +2543,7 @@ def streams(connections, module, x, sublayers, backend):
         h, mixed, post = plan.mix(state, i, segment)
         update = f(h)
         segment.updates.append(update.detach())
-        state = plan.join(mixed, post, update, segment)
+        state = plan.join(mixed, post, update, i, segment)
     return module.readout(plan.last(state))
 
 
@@ -2552,7 +2552,7 @@ class TorchStreams:
     sublayer's step (mix, by TorchStreamMix), the update (join, by Advance), the replay's step, and
     the streams the readout takes (last)."""
 
-    def __init__(self, connections, H, L):
+    def __init__(self, connections, H):
         if isinstance(connections, residuals.HCConnections):
             self.maths = HCStep(connections)
         elif isinstance(connections, residuals.PermutationMixing):
@@ -2562,16 +2562,15 @@ class TorchStreams:
         self.start = H
 
     def mix(self, H, i, segment):
-        return TorchStreamMix.apply(H, segment, self.maths, *self.maths.params)
+        return TorchStreamMix.apply(H, segment, i, self.maths, *self.maths.params)
 
-    def join(self, mixed, post, u, segment):
-        post_again = self.maths.post_again(*segment.saved[-1])
+    def join(self, mixed, post, u, i, segment):
+        post_again = self.maths.post_again(segment.saved[-1], i)
         return Advance.apply(mixed, post, u, advance_backward, post_again)
 
-    def replay(self, H, saved, u):
-        """The streams after a sublayer, from the streams before it, what its step saved (with its
-        index) and its update."""
-        saved, i = saved
+    def replay(self, H, i, saved, u):
+        """The streams after sublayer i, from the streams before it, what its step saved and its
+        update."""
         _, mixed, post, _ = self.maths(flat_streams(H), i, saved)
         return advance(mixed, post, u.view(-1, u.shape[-1])).view(H.shape)
 
@@ -2599,24 +2598,23 @@ class TritonStreams:
     written between two sublayers; only the readout's streams are formed outside, by Advance. The
     first sublayer's: (e's n copies, a stride-0 stream dimension, None, None)."""
 
-    def __init__(self, connections, H, L):
+    def __init__(self, connections, H):
         self.kind, self.params = triton_stream_params(connections)
         self.grads = StreamParams(self.kind, self.params, getattr(connections, 'proj', None))
         # mHC-lite's projections one per sublayer: one backward node gathers their gradients
-        self.projections = [self.grads.W] * L
+        self.projections = [self.grads.W] * len(self.params[0])
         if self.kind == MHC_LITE:
             self.projections = connections.proj.unbind()
         self.start = H, None, None
 
     def mix(self, state, i, segment):
-        return TritonStreamMix.apply(*state, self.projections[i], segment, self.grads,
+        return TritonStreamMix.apply(*state, self.projections[i], segment, i, self.grads,
                                      *self.params)
 
-    def join(self, mixed, post, u, segment):
+    def join(self, mixed, post, u, i, segment):
         return mixed, post, u
 
-    def replay(self, state, saved, u):
-        XW, i = saved
+    def replay(self, state, i, XW, u):
         _, mixed, post, _ = _triton_stream_mix(*state, XW, None, None, self.params, i, self.kind,
                                                True)
         return mixed, post, u
