@@ -224,28 +224,28 @@ def _mix_dtype(sources, prior_mixed):
     return common_dtype(sources if prior_mixed is None else [*sources, prior_mixed])
 
 
-def mix_torch(queries, bias, sources, prior_mixed, prior_lse, one, rinv=None):
-    """The depth mix in PyTorch, one source at a time (the sources are never stacked), shaped as
-    the kernel's outputs -> mixed, lse (None for one query: no caller merges its read further) and
-    what the backward needs: 1/RMS r (S, B, T, 1), the scores (S, [m,] B, T, 1) and the weights
-    (S, [m,] B, T, 1; the prior's row after them). Per token the numbers keep a trailing 1, so
-    that they broadcast against the sources (B, T, C) as they are. rinv: the sources' 1/RMS, if
-    known. Out of place, as every forward of an autograd.Function here (see cast)."""
+def mix_torch(queries, bias, sources, prior_mixed, prior_lse, single, rinv=None):
+    """The depth mix in PyTorch, one source at a time (the sources are never stacked), shaped as the
+    kernel's outputs -> mixed, lse (None for a single query: no caller merges its read further) and
+    what the backward needs: 1/RMS r (S, B, T, 1), the scores (S, [m,] B, T, 1) and the weights (S,
+    [m,] B, T, 1; the prior's row after them). Per token the numbers keep a trailing 1, so that they
+    broadcast against the sources (B, T, C) as they are. rinv: the sources' 1/RMS, if known. Out of
+    place, as every forward of an autograd.Function here (see cast)."""
     values, q = [upcast(v) for v in sources], upcast(queries)
     (m, C), tokens = q.shape, values[0].shape[:-1]
-    shape = (len(values),) + (() if one else (m,)) + tokens + (1,)
+    shape = (len(values),) + (() if single else (m,)) + tokens + (1,)
     rinv = stacked_rms_inverse(values) if rinv is None else rinv
-    r = rinv if one else rinv.unsqueeze(1)
+    r = rinv if single else rinv.unsqueeze(1)
     products = [torch.mm(q, v.reshape(-1, C).T) for v in values]
     scores = stacked(products).view(shape) * r  # q_j . RMSNorm(v_s)
     logits = scores
     if bias is not None:  # any tensor of m S numbers, a query's row after another (as the kernels)
-        per_read = shape[:1 if one else 2] + (1,) * (len(tokens) + 1)
+        per_read = shape[:1 if single else 2] + (1,) * (len(tokens) + 1)
         logits = scores + upcast(bias).reshape(m, -1).T.reshape(per_read)
     if prior_lse is not None:  # the prior: one more source, value prior_mixed, logit prior_lse
         logits = torch.cat([logits, prior_lse.view((1,) + prior_lse.shape + (1,))])
         values = values + [upcast(prior_mixed)]
-    if one:  # no one merges a single query's read further: no lse
+    if single:  # no one merges a single query's read further: no lse
         lse, weights = None, torch.softmax(logits, 0)
     else:
         lse = torch.logsumexp(logits, 0)
@@ -268,15 +268,15 @@ def mix_torch_backward(queries, bias, sources, prior_mixed, saved, grad_mixed, g
         grad_mixed = weights.new_zeros(weights.shape[1:-1] + sources[0].shape[-1:])
     g, q, S = upcast(grad_mixed), upcast(queries), len(sources)
     values = [upcast(v) for v in sources] + ([] if prior_mixed is None else [upcast(prior_mixed)])
-    (m, C), one = q.shape, g.dim() == values[0].dim()
+    (m, C), single = q.shape, g.dim() == values[0].dim()
     N = values[0].numel() // C
     # g_j . v_s per token: a batch of N (1, C) x (C, m) products per source (on a CPU faster than a
     # product and a sum over an (m, B, T, C) temporary); a prior of m queries (a row per query, not
     # a source all read) in a product and a sum
-    read_by_all = values if one or prior_mixed is None else values[:S]
-    G = g.reshape(-1 if one else m, N, C).permute(1, 2, 0)  # (N, C, m)
+    read_by_all = values if single or prior_mixed is None else values[:S]
+    G = g.reshape(-1 if single else m, N, C).permute(1, 2, 0)  # (N, C, m)
     gv = stacked([torch.bmm(v.reshape(N, 1, C), G) for v in read_by_all])  # (S, N, 1, m)
-    if one:
+    if single:
         gv = gv.view(weights.shape)
     else:
         gv = gv.view(gv.shape[:1] + values[0].shape[:-1] + (m,)).movedim(-1, 1).unsqueeze(-1)
@@ -288,14 +288,14 @@ def mix_torch_backward(queries, bias, sources, prior_mixed, saved, grad_mixed, g
     if grad_lse is not None:
         grad_logits = torch.addcmul(grad_logits, weights, upcast(grad_lse).unsqueeze(-1))
     own = grad_logits if prior_mixed is None else grad_logits[:S]
-    scaled = own * (rinv if one else rinv.unsqueeze(1))  # dl_js r_s
-    along = scaled * scores if one else (scaled * scores).sum(1)
+    scaled = own * (rinv if single else rinv.unsqueeze(1))  # dl_js r_s
+    along = scaled * scores if single else (scaled * scores).sum(1)
     along = along * rinv  # (r_s^2 sum_j dl_js r_s v_s.q_j; the 1 / C below)
     dq, out = None, []
-    g_rows = (g,) if one else g.unbind()
+    g_rows = (g,) if single else g.unbind()
     w, sc, al = weights.unbind(), scaled.unbind(), along.unbind()
     for s, v in enumerate(values[:S]):
-        w_rows, dv, rows = (w[s],) if one else w[s].unbind(), grads[s], range(len(g_rows))
+        w_rows, dv, rows = (w[s],) if single else w[s].unbind(), grads[s], range(len(g_rows))
         if dv is None:
             dv, rows = w_rows[0] * g_rows[0], rows[1:]
         for j in rows:
@@ -307,8 +307,8 @@ def mix_torch_backward(queries, bias, sources, prior_mixed, saved, grad_mixed, g
         out.append(dv)
     extra = []
     if bias is not None:
-        db = own.flatten(1 if one else 2).sum(-1)  # (S, [m])
-        extra.append((db if one else db.T).reshape(bias.shape).to(bias.dtype))
+        db = own.flatten(1 if single else 2).sum(-1)  # (S, [m])
+        extra.append((db if single else db.T).reshape(bias.shape).to(bias.dtype))
     if prior_mixed is not None:
         extra += [(w[S] * g).to(prior_mixed.dtype), grad_logits[S].squeeze(-1)]
     return dq.to(queries.dtype), extra, out
@@ -580,10 +580,11 @@ def read_inputs(queries, bias, prior_mixed, prior_lse, mixed, lse, low):
 @torch.library.custom_op('resroute::depth_mix', mutates_args=())
 def _triton_depth_mix(queries: Tensor, bias: Optional[Tensor], sources: List[Tensor],
                       match: List[int], rho: float, prior_mixed: Optional[Tensor],
-                      prior_lse: Optional[Tensor], one: bool) -> Tuple[List[Tensor], List[Tensor]]:
+                      prior_lse: Optional[Tensor],
+                      single: bool) -> Tuple[List[Tensor], List[Tensor]]:
     """The m queries' rows, mixed (B, T, C) and lse (B, T) each: DepthMix's (m, B, T, C) and
     (m, B, T) as separate tensors. The sources with match[s] = 1 are read matched (Matched, rho).
-    A prior: (m, B, T, C) and (m, B, T), or a row each for one query. one: a single query's read,
+    A prior: (m, B, T, C) and (m, B, T), or a row each for one query. single: one query's read,
     whose lse no one reads. The bias: any contiguous tensor of m S numbers (a query's row after
     another); its gradient has its shape."""
     dtype = _mix_dtype(sources, prior_mixed)
@@ -603,19 +604,19 @@ def _triton_depth_mix(queries: Tensor, bias: Optional[Tensor], sources: List[Ten
 
 
 @_triton_depth_mix.register_fake
-def _(queries, bias, sources, match, rho, prior_mixed, prior_lse, one):
+def _(queries, bias, sources, match, rho, prior_mixed, prior_lse, single):
     shape, dtype, m = sources[0].shape, _mix_dtype(sources, prior_mixed), len(queries)
     return ([sources[0].new_empty(shape, dtype=dtype) for _ in range(m)],
             [queries.new_empty(shape[:-1], dtype=accumulator(dtype)[0]) for _ in range(m)])
 
 
-def saved_rows(ctx, mixed, lse, one):
+def saved_rows(ctx, mixed, lse, single):
     """The rows a read saves for its backward (rows_saved unpacks them): mixed and lse; a single
-    query's lse (one) has no reader after the read: it is marked non-differentiable and kept on
+    query's lse (single) has no reader after the read: it is marked non-differentiable and kept on
     ctx instead (autograd detaches each output it saves, once when saved and once when unpacked; a
     tensor without a graph node makes no reference cycle there) -> the rows to save."""
-    ctx.rows, ctx.lse = len(mixed), lse if one else None
-    if one:
+    ctx.rows, ctx.lse = len(mixed), lse if single else None
+    if single:
         ctx.mark_non_differentiable(*lse)
         return [*mixed]
     return [*mixed, *lse]
@@ -630,9 +631,9 @@ def rows_saved(ctx, saved):
 
 
 def _depth_mix_setup(ctx, inputs, output):
-    queries, bias, sources, match, rho, prior_mixed, prior_lse, one = inputs
+    queries, bias, sources, match, rho, prior_mixed, prior_lse, single = inputs
     ctx.match = match, rho
-    rows = saved_rows(ctx, *output, one)
+    rows = saved_rows(ctx, *output, single)
     ctx.save_for_backward(queries, bias, prior_mixed, prior_lse, *rows, *sources)
     # an unused row gets no gradient (the kernel reads zeros), not a tensor of zeros
     ctx.set_materialize_grads(False)
@@ -737,16 +738,16 @@ def _(queries, bias, sources, match, rho, mixed, lse, grad_mixed, grad_lse, grad
 
 class DepthMix(torch.autograd.Function):
     """m queries read a list of S sources in PyTorch (mix_torch), with its hand-written backward.
-    queries (m, C), bias (m, S) or None -> mixed (m, B, T, C), lse (m, B, T); one (m = 1): (B, T,
-    C), None; a prior (mixed_0, lse_0) of sources read before is merged as one more source. It
-    saves per-token numbers (1/RMS per source; scores and weights per query and source) and
-    references to the sources, never a stacked copy (with plain autograd, Full AttnRes keeps an
-    (S, B, T, C) stack per sublayer: L^2 memory; on a CPU, passes over a temporary stack of the
-    sources cost 1.2-5x the time, measured). The kernels' twin: the custom op _triton_depth_mix."""
+    queries (m, C), bias (m, S) or None -> mixed (m, B, T, C), lse (m, B, T); single (m = 1): (B, T,
+    C), None; a prior (mixed_0, lse_0) of sources read before is merged as one more source. It saves
+    per-token numbers (1/RMS per source; scores and weights per query and source) and references to
+    the sources, never a stacked copy (with plain autograd, Full AttnRes keeps an (S, B, T, C) stack
+    per sublayer: L^2 memory; on a CPU, passes over a temporary stack of the sources cost 1.2-5x the
+    time, measured). The kernels' twin: the custom op _triton_depth_mix."""
 
     @staticmethod
-    def forward(ctx, queries, bias, prior_mixed, prior_lse, one, *sources):
-        mixed, lse, saved = mix_torch(queries, bias, sources, prior_mixed, prior_lse, one)
+    def forward(ctx, queries, bias, prior_mixed, prior_lse, single, *sources):
+        mixed, lse, saved = mix_torch(queries, bias, sources, prior_mixed, prior_lse, single)
         ctx.save_for_backward(queries, bias, prior_mixed, *saved, *sources)
         # an unused lse gets no gradient, rather than a tensor of zeros
         ctx.set_materialize_grads(False)
@@ -771,8 +772,8 @@ class PooledRead(torch.autograd.Function):
     backward_pooled)."""
 
     @staticmethod
-    def forward(ctx, queries, bias, reads, keys, owned, one, match, *sources):
-        out = reads.forward_pooled(ctx, queries, bias, sources, match, one)
+    def forward(ctx, queries, bias, reads, keys, owned, single, match, *sources):
+        out = reads.forward_pooled(ctx, queries, bias, sources, match, single)
         ctx.reads, ctx.keys, ctx.owned, ctx.match = reads, keys, owned, match
         # an unused lse gets no gradient, rather than a tensor of zeros
         ctx.set_materialize_grads(False)
@@ -788,10 +789,10 @@ class PooledRead(torch.autograd.Function):
 
 # ---------------------------------------------------------------------------------------- the reads
 
-def unbound_rows(mixed, lse, one):
+def unbound_rows(mixed, lse, single):
     """A read's outputs, mixed (m, B, T, C) and lse (m, B, T), as its m rows [(mixed, lse)]; one
     (m = 1): [(mixed, None)] as they are."""
-    return [(mixed, lse)] if one else list(zip(mixed.unbind(), lse.unbind()))
+    return [(mixed, lse)] if single else list(zip(mixed.unbind(), lse.unbind()))
 
 
 class Reads:
@@ -826,7 +827,7 @@ class Reads:
         """Phase 2: one query (1, C) continues its row from phase 1, merging the sources `more`
         that it alone reads (bias (1, S) or None) by an online softmax, in the same pass that reads
         them -> (B, T, C); the row's mixed as it is when there are none."""
-        return self.rows(query, bias, more, row, one=True)[0][0] if more else row[0]
+        return self.rows(query, bias, more, row, single=True)[0][0] if more else row[0]
 
     def one(self, query, sources, bias):
         """One query (1, C) reads the sources, with no prior -> (B, T, C)."""
@@ -837,28 +838,28 @@ class Reads:
         return rms_match_torch(details, state, rho) if details else []
 
     # a read of the backend, unpooled
-    def rows(self, queries, bias, sources, prior=None, one=False):
+    def rows(self, queries, bias, sources, prior=None, single=False):
         """m queries (m, C) read S sources, merged with a prior (mixed (m, B, T, C), lse (m, B, T))
-        or None -> the m rows [(mixed, lse)]; one (m = 1): [(mixed, None)] (no lse: no one merges
+        or None -> the m rows [(mixed, lse)]; single (m = 1): [(mixed, None)] (no lse: no one merges
         a single query's read further). The autograd Function's rows are unbound once."""
         prior_mixed, prior_lse = (None, None) if prior is None else prior
-        out = DepthMix.apply(queries, bias, prior_mixed, prior_lse, one, *sources)
-        return unbound_rows(*out, one)
+        out = DepthMix.apply(queries, bias, prior_mixed, prior_lse, single, *sources)
+        return unbound_rows(*out, single)
 
     # the pool
     def poolable(self, keys, tensors):
         """Whether a read of these sources can go through the pool: each source once."""
         return self.pooled and len(set(keys)) == len(keys)
 
-    def pool_read(self, queries, bias, sources, one):
+    def pool_read(self, queries, bias, sources, single):
         keys = [id(v) for v in sources]  # (a Matched: a source of its own)
         tensors, match, rho = match_flags(sources)
         if not self.poolable(keys, tensors):
-            return self.rows(queries, bias, sources, one=one)
+            return self.rows(queries, bias, sources, single=single)
         owned = [key not in self.seen for key in keys]
         self.seen.update(keys)
-        out = PooledRead.apply(queries, bias, self, keys, owned, one, (match, rho), *tensors)
-        return self.pooled_rows(out, one)
+        out = PooledRead.apply(queries, bias, self, keys, owned, single, (match, rho), *tensors)
+        return self.pooled_rows(out, single)
 
     def cached_rms_inverse(self, sources):
         """The sources' 1/RMS (S, B, T, 1), each source's computed once per forward."""
@@ -868,16 +869,16 @@ class Reads:
             self.rinv.update(zip(map(id, new), rinv))
         return stacked([self.rinv[id(v)] for v in sources])
 
-    def forward_pooled(self, ctx, queries, bias, sources, match, one):
+    def forward_pooled(self, ctx, queries, bias, sources, match, single):
         """PooledRead's forward: the read, and what its backward needs saved on ctx."""
-        mixed, lse, saved = mix_torch(queries, bias, sources, None, None, one,
+        mixed, lse, saved = mix_torch(queries, bias, sources, None, None, single,
                                       self.cached_rms_inverse(sources))
         ctx.save_for_backward(queries, bias, *saved, *sources)
         return cast(mixed, common_dtype(sources)), lse
 
-    def pooled_rows(self, out, one):
+    def pooled_rows(self, out, single):
         """PooledRead's outputs as rows (see rows)."""
-        return unbound_rows(*out, one)
+        return unbound_rows(*out, single)
 
     def backward_pooled(self, ctx, grad_out):
         """PooledRead's backward: each source's share added into its pooled gradient (in the
@@ -901,10 +902,10 @@ class TritonReads(Reads):
     def matched(self, details, state, rho):
         return [Matched(d, state, rho) for d in details]
 
-    def rows(self, queries, bias, sources, prior=None, one=False):
+    def rows(self, queries, bias, sources, prior=None, single=False):
         prior_mixed, prior_lse = (None, None) if prior is None else prior
         mixed, lse = _triton_depth_mix(queries, bias, *match_flags(sources), prior_mixed, prior_lse,
-                                       one)
+                                       single)
         return list(zip(mixed, lse))
 
     def poolable(self, keys, tensors):
@@ -912,12 +913,12 @@ class TritonReads(Reads):
         two_dtypes = len(other_dtypes(tensors, common_dtype(tensors))) <= 1
         return two_dtypes and super().poolable(keys, tensors)
 
-    def forward_pooled(self, ctx, queries, bias, sources, match, one):
-        mixed, lse = _triton_depth_mix(queries, bias, list(sources), *match, None, None, one)
-        ctx.save_for_backward(queries, bias, *saved_rows(ctx, mixed, lse, one), *sources)
+    def forward_pooled(self, ctx, queries, bias, sources, match, single):
+        mixed, lse = _triton_depth_mix(queries, bias, list(sources), *match, None, None, single)
+        ctx.save_for_backward(queries, bias, *saved_rows(ctx, mixed, lse, single), *sources)
         return (*mixed, *lse)
 
-    def pooled_rows(self, out, one):
+    def pooled_rows(self, out, single):
         """The kernel's rows: the mixed, then the lse, each a tensor."""
         return list(zip(out[:len(out) // 2], out[len(out) // 2:]))
 
