@@ -68,17 +68,17 @@ GRIDS = {
                   dict(configs=[['config/cpu_depth.py', f'--n_layer={n}'] for n in (12, 24)],
                        variants=[*MGR_VARIANTS, ['--residual=attnres'], ['--residual=mhc_lite']], seeds=[0, 1, 2]),
                   # MUDD at 48 layers diverges at the recipe's 2e-3 and does not train at 5e-4 (seeds 0-1;
-                  # docs/METHODS.md): DenseFormer's third seed, then two lower rates for MUDD, then the 24-layer
-                  # seeds, then more seeds of 2e-4 (it trains) and the third seeds of MUDD's two failed rates
+                  # docs/METHODS.md): DenseFormer's third seed, then the 24-layer seeds, then two lower rates for
+                  # MUDD, more seeds of 2e-4 (it trains) and the third seeds of MUDD's two failed rates
                   *[dict(configs=[['config/cpu_depth.py', '--n_layer=48']],
                          variants=[['--residual=mudd'], ['--residual=denseformer'], mudd_at('5e-4', '5e-5')], seeds=[seed])
                     for seed in range(2)],
                   dict(configs=[['config/cpu_depth.py', '--n_layer=48']], variants=[['--residual=denseformer']],
                        seeds=[2]),
-                  dict(configs=[['config/cpu_depth.py', '--n_layer=48']], variants=[mudd_at('2e-4', '2e-5'), mudd_at('1e-4', '1e-5')],
-                       seeds=[0]),
                   *[dict(configs=[['config/cpu_depth.py', '--n_layer=24']],
                          variants=[['--residual=block_attnres'], ['--residual=wav']], seeds=[seed]) for seed in range(3, 8)],
+                  dict(configs=[['config/cpu_depth.py', '--n_layer=48']], variants=[mudd_at('2e-4', '2e-5'), mudd_at('1e-4', '1e-5')],
+                       seeds=[0]),
                   dict(configs=[['config/cpu_depth.py', '--n_layer=48']], variants=[mudd_at('2e-4', '2e-5')], seeds=[1, 2]),
                   dict(configs=[['config/cpu_depth.py', '--n_layer=48']], variants=[['--residual=mudd'], mudd_at('5e-4', '5e-5')],
                        seeds=[2])],
