@@ -47,9 +47,9 @@ FINEWEB_VARIANTS = [['--residual=prenorm'], ['--residual=mhc_lite'], ['--residua
                     ['--residual=attnres'], *MGR_VARIANTS]
 
 
-def mudd_at(rate, min_lr):
-    """MUDD at a learning rate other than its config's (as written: they name its runs)."""
-    return ['--residual=mudd', f'--learning_rate={rate}', f'--min_lr={min_lr}']
+def at_rate(residual, rate, min_lr):
+    """A method at a learning rate other than its config's (as written: they name its runs)."""
+    return [f'--residual={residual}', f'--learning_rate={rate}', f'--min_lr={min_lr}']
 
 
 GRIDS = {
@@ -69,18 +69,21 @@ GRIDS = {
                        variants=[*MGR_VARIANTS, ['--residual=attnres'], ['--residual=mhc_lite']], seeds=[0, 1, 2]),
                   # MUDD at 48 layers diverges at the recipe's 2e-3 and does not train at 5e-4 (seeds 0-1;
                   # docs/METHODS.md): DenseFormer's third seed, then the 24-layer seeds, then two lower rates for
-                  # MUDD, more seeds of 2e-4 (it trains) and the third seeds of MUDD's two failed rates
+                  # MUDD, more seeds of 2e-4 (it trains) beside prenorm at 2e-4 (what the lower rate alone costs),
+                  # and the third seeds of MUDD's two failed rates
                   *[dict(configs=[['config/cpu_depth.py', '--n_layer=48']],
-                         variants=[['--residual=mudd'], ['--residual=denseformer'], mudd_at('5e-4', '5e-5')], seeds=[seed])
+                         variants=[['--residual=mudd'], ['--residual=denseformer'], at_rate('mudd', '5e-4', '5e-5')], seeds=[seed])
                     for seed in range(2)],
                   dict(configs=[['config/cpu_depth.py', '--n_layer=48']], variants=[['--residual=denseformer']],
                        seeds=[2]),
                   *[dict(configs=[['config/cpu_depth.py', '--n_layer=24']],
                          variants=[['--residual=block_attnres'], ['--residual=wav']], seeds=[seed]) for seed in range(3, 8)],
-                  dict(configs=[['config/cpu_depth.py', '--n_layer=48']], variants=[mudd_at('2e-4', '2e-5'), mudd_at('1e-4', '1e-5')],
+                  dict(configs=[['config/cpu_depth.py', '--n_layer=48']], variants=[at_rate('mudd', '2e-4', '2e-5'), at_rate('mudd', '1e-4', '1e-5')],
                        seeds=[0]),
-                  dict(configs=[['config/cpu_depth.py', '--n_layer=48']], variants=[mudd_at('2e-4', '2e-5')], seeds=[1, 2]),
-                  dict(configs=[['config/cpu_depth.py', '--n_layer=48']], variants=[['--residual=mudd'], mudd_at('5e-4', '5e-5')],
+                  dict(configs=[['config/cpu_depth.py', '--n_layer=48']], variants=[at_rate('mudd', '2e-4', '2e-5')], seeds=[1, 2]),
+                  dict(configs=[['config/cpu_depth.py', '--n_layer=48']], variants=[at_rate('prenorm', '2e-4', '2e-5')],
+                       seeds=[0]),
+                  dict(configs=[['config/cpu_depth.py', '--n_layer=48']], variants=[['--residual=mudd'], at_rate('mudd', '5e-4', '5e-5')],
                        seeds=[2])],
     # the WAV paper's largest gain (TinyStories, 48 layers) at the depth recipe on the TinyStories slice
     # (python data.py tinystories_slice): Block AttnRes and WAV, eight seeds, seed by seed so that each
