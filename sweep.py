@@ -482,7 +482,8 @@ def plot(results, rows, path, references=REFERENCES):
         return
     groups = list(dict.fromkeys(r['group'] for r in results))
     methods = list(dict.fromkeys(r['method'] for r in results))
-    colors = {m: plt.cm.tab10(k % 10) for k, m in enumerate(methods)}
+    palette = plt.cm.tab10 if len(methods) <= 10 else plt.cm.tab20  # a colour of its own for each method, to 20
+    colors = {m: palette(k % palette.N) for k, m in enumerate(methods)}
     references = [ref for ref in references if any(ref in row['versus'] for row in rows)]
     trend = len(groups) > 1
     fig, axes = plt.subplots(1, 1 + trend + len(references), figsize=(6 + 5 * (trend + len(references)), 5),
