@@ -67,7 +67,7 @@ GRIDS = {
                   # the MGR paper's comparison at depth: MGR at its four settings beside the methods it names
                   dict(configs=[['config/cpu_depth.py', f'--n_layer={n}'] for n in (12, 24)],
                        variants=[*MGR_VARIANTS, ['--residual=attnres'], ['--residual=mhc_lite']], seeds=[0, 1, 2]),
-                  # MUDD at 48 layers diverges at the recipe's 2e-3 and does not train at 5e-4 (seeds 0-1;
+                  # MUDD at 48 layers diverges at the recipe's 2e-3 and at 5e-4, and trains at 2e-4 (three seeds each;
                   # docs/METHODS.md): DenseFormer's third seed, then the 24-layer seeds, then two lower rates for
                   # MUDD, more seeds of 2e-4 (it trains) beside prenorm at 2e-4 (what the lower rate alone costs),
                   # and the third seeds of MUDD's two failed rates
