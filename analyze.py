@@ -21,7 +21,8 @@ For each checkpoint, on a fixed batch of its validation split (the model runs it
   stochastic mixing);
 - gates (mgr): the mean gate beta of every stream at every gated sublayer;
 - pruning: the validation-loss increase when one transformer layer's updates are skipped (both of
-  its sublayers return zero), for every layer.
+  its sublayers return zero), for every layer; on the run's own validation tokens (the eval_tokens
+  of its config, unless --eval_tokens says otherwise), so the full model's loss is train.py's.
 Plots need matplotlib (optional); without it only analysis.json is written.
 
 How it watches: each routing computation of residuals.py is a call of a small submodule (a
@@ -46,7 +47,7 @@ out_dir = 'out'  # one run folder, or several separated by commas
 ckpt_name = 'ckpt.pt'
 report_dir = 'analysis'
 batch_size = 8  # sequences in the fixed batch for activations, routing and streams
-eval_tokens = 16384  # validation tokens per pruning evaluation (the first ones of the val split)
+eval_tokens = 0  # validation tokens per pruning evaluation (the first ones of the val split); 0 = the run's own
 
 
 def record(model, idx):
@@ -164,11 +165,11 @@ def composite_gain(mixing):
     return {'forward': forward, 'backward': backward}
 
 
-def pruning(model, val_tokens, block_size, budget):
+def pruning(model, val_tokens, block_size, budget, batch_size):
     """Val loss on `budget` tokens with all layers, then with each layer's updates skipped in turn
     (a forward hook makes both of its sublayers return zeros)."""
     device, ctx = torch.device('cpu'), torch.no_grad()
-    evaluate = lambda: data.evaluate(model, val_tokens, block_size, budget, 16, device, ctx)
+    evaluate = lambda: data.evaluate(model, val_tokens, block_size, budget, batch_size, device, ctx)
     base, increases = evaluate(), []
     for block in model.transformer.h:
         hooks = [f.register_forward_hook(lambda module, args, out: torch.zeros_like(out)) for f in (block.attn, block.mlp)]
@@ -177,10 +178,12 @@ def pruning(model, val_tokens, block_size, budget):
         finally:
             for hook in hooks:
                 hook.remove()
-    return {'val_loss': base, 'increase': increases}
+    tokens = min(budget, len(val_tokens) - 1) // block_size * block_size  # whole windows, as data.evaluate reads
+    return {'val_loss': base, 'tokens': tokens, 'increase': increases}
 
 
 def analyze(path, n_sequences, budget):
+    """The diagnostics of one checkpoint; budget: validation tokens for pruning, 0 = the run's eval_tokens."""
     ckpt = load_checkpoint(path)
     model = GPT.from_checkpoint(ckpt, path).eval()
     ds = data.load(ckpt['config']['dataset'], ckpt['config']['data_dir'])
@@ -201,7 +204,8 @@ def analyze(path, n_sequences, budget):
         result['composite_gain'] = composite_gain(rec['mixing'])
     if rec['gates']:
         result['gates'] = [beta.float().mean(dim=(1, 2)).tolist() for beta in rec['gates']]
-    result['pruning'] = pruning(model, val, T, budget)
+    run = ckpt['config']  # the run's own evaluation: its tokens, in its batches
+    result['pruning'] = pruning(model, val, T, budget or run['eval_tokens'], run['batch_size'])
     return result
 
 
@@ -314,7 +318,7 @@ def plot_gates(plt, results, label):
 def main(argv):
     cfg, _ = configurator.parse(argv, configurator.keys_of(globals()), __doc__)
     configurator.check(cfg, {'batch_size': (lambda v: v >= 1, 'at least 1'),
-                             'eval_tokens': (lambda v: v >= 1, 'at least 1')})
+                             'eval_tokens': (lambda v: v >= 0, "at least 0 (0 = the run's own)")})
     try:
         results = [analyze(os.path.join(folder, cfg['ckpt_name']), cfg['batch_size'], cfg['eval_tokens'])
                    for folder in cfg['out_dir'].split(',')]
@@ -326,7 +330,8 @@ def main(argv):
     written = plot(results, cfg['report_dir'])
     for r in results:
         act, growth = r['activations'], r['activations']['growth']
-        print(f"{r['checkpoint']}: {r['residual']}, val loss {r['pruning']['val_loss']:.4f}, input RMS "
+        print(f"{r['checkpoint']}: {r['residual']}, val loss {r['pruning']['val_loss']:.4f} on "
+              f"{r['pruning']['tokens']:,} tokens, input RMS "
               f"{act['rms'][0]:.3f} -> {act['rms'][-1]:.3f} over {len(act['rms'])} sublayers ({growth['from_first']:.2f}x"
               + (f"; past layer 0: {growth['past_layer_0']:.2f}x)" if growth['past_layer_0'] else ')')
               + f", most harmful layer to skip: {max(range(len(r['pruning']['increase'])), key=r['pruning']['increase'].__getitem__)}")

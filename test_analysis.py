@@ -152,6 +152,20 @@ def test_analyze_reports_the_diagnostics_and_pruning_a_silent_layer_changes_noth
         assert not plots
 
 
+def test_analyze_val_loss_is_the_one_train_logged_for_the_checkpoint(tmp_path, data_dir, capsys):
+    """By default analyze.py evaluates the run's own eval_tokens in its batches, so its val loss is the
+    one train.py logged for the same checkpoint, and it prints how many tokens that loss is over."""
+    folder = tmp_path / 'run'
+    train.main([f'--out_dir={folder}', f'--data_dir={data_dir}', '--max_iters=4', '--eval_interval=4', *TINY_TRAIN])
+    logged = [json.loads(line) for line in open(folder / 'log.jsonl')]
+    logged = [row['val_loss'] for row in logged if 'val_loss' in row][-1]
+    capsys.readouterr()
+    analyze.main([f'--out_dir={folder}', f'--report_dir={tmp_path / "report"}'])
+    [result] = json.load(open(tmp_path / 'report' / 'analysis.json'))
+    assert result['pruning']['val_loss'] == pytest.approx(logged, abs=1e-6)
+    assert f"val loss {logged:.4f} on 4,096 tokens" in capsys.readouterr().out
+
+
 def test_paired_interval_and_t_quantiles():
     mean, half = sweep.paired([0.1, 0.2, 0.3])
     assert mean == pytest.approx(0.2) and half == pytest.approx(4.303 * 0.1 / math.sqrt(3))
