@@ -631,8 +631,11 @@ def main(argv):
             sys.exit(f"error: unknown option {arg!r}; {usage}")
         else:
             names.append(arg)
+    names_help = f"{usage}\nNAME: {', '.join(PREPARE)}, or the path of an existing text file"
     if len(names) != 1:
-        sys.exit(f"error: name one dataset; {usage}\nNAME: {', '.join(PREPARE)}, or a text file")
+        sys.exit(f"error: name one dataset; {names_help}")
+    if names[0] not in PREPARE and not os.path.isfile(names[0]):  # dataset_dir's message is in train.py's terms
+        sys.exit(f"error: unknown dataset {names[0]!r}; {names_help}")
     shards, max_chars = positive_int('shards', args['shards']), positive_int('max_chars', args['max_chars'])
     try:
         folder = dataset_dir(names[0], args['data_dir'])

@@ -266,6 +266,17 @@ def test_a_missing_source_is_one_line_naming_the_path(tmp_path):
                        "of text8)")
 
 
+def test_an_unknown_dataset_is_named_in_the_terms_of_the_script_it_was_given_to(tmp_path, monkeypatch):
+    """data.py takes the name as a positional, train.py as --dataset=: each error says it that way."""
+    monkeypatch.chdir(tmp_path)
+    message = exit_message(data.main, ['nope', f'--data_dir={tmp_path}'])
+    assert message.startswith("error: unknown dataset 'nope'; usage: python data.py NAME")
+    assert '--dataset=' not in message and 'pydoc' in message
+    message = exit_message(train.main, ['--dataset=nope', f'--data_dir={tmp_path}', f'--out_dir={tmp_path / "o"}'])
+    assert "unknown dataset 'nope': pass --dataset= one of pydoc" in message
+    assert not (tmp_path / 'nope').exists() and not (tmp_path / 'o').exists()
+
+
 def test_a_binary_source_gets_the_same_clear_error_on_every_path(tmp_path):
     binary = tmp_path / 'image.bin'
     binary.write_bytes(bytes(range(256)) * 10)
