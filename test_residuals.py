@@ -137,6 +137,51 @@ def test_every_routing_parameter_gets_a_gradient(residual, knobs):
     assert not silent, f"{residual}: no gradient reaches {silent}"
 
 
+def routing_that_stays_at_init(model, steps=3):
+    """The routing parameters that a few AdamW steps (no weight decay) from the class's own init leave
+    exactly where they were: a parameter stuck at a saddle of its init (a zero scale times a zero
+    gate) never moves; a chain of zeros as in LoRA (B = 0 lets A move from the second step) does."""
+    model.set_kernels('reference')
+    start = {name: p.detach().clone() for name, p in model.residual.named_parameters()}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        idx = torch.randint(27, (2, 16), generator=gen)
+        optimizer.zero_grad()
+        model(idx, idx)[1].backward()
+        optimizer.step()
+    return [name for name, p in model.residual.named_parameters() if torch.equal(p.detach(), start[name])]
+
+
+@pytest.mark.parametrize('residual,knobs', VARIANTS)
+def test_every_routing_parameter_moves_from_its_own_init(residual, knobs):
+    """The gradient check above starts from random routing; this one from the class's own init, where
+    a parameter whose gradient is zero at init, and stays zero, would never train."""
+    stuck = routing_that_stays_at_init(tiny_model(residual, n_layer=4, **knobs))
+    assert not stuck, f"{residual}: {stuck} never move from their init"
+
+
+def test_a_routing_product_of_two_zeros_is_found_stuck(monkeypatch):
+    """A method whose update is scale * gate * f(x), both zero at init, has gradient zero for both,
+    at init and forever: the check from the own init finds it (the one from random routing cannot)."""
+    class DeadProduct(nn.Module):
+        sublayer_norm, equals_at_init = True, None
+
+        def __init__(self, config):
+            super().__init__()
+            self.scale, self.gate = nn.Parameter(torch.zeros(config.n_embd)), nn.Parameter(torch.zeros(1))
+
+        def forward(self, x, sublayers):
+            for f in sublayers:
+                x = x + f(x) + self.scale * self.gate * f(x)
+            return x
+    monkeypatch.setitem(RESIDUALS, 'dead_product', DeadProduct)
+    assert routing_that_stays_at_init(tiny_model('dead_product')) == ['scale', 'gate']
+    model = tiny_model('dead_product')
+    randomize_routing(model)
+    assert routing_that_stays_at_init(model) == []
+
+
 def test_every_knob_has_values_to_test():
     """Every knob of GPTConfig (the fields after `residual`) takes a value other than its default in
     KNOB_VALUES (conftest.py), so that the tests parametrised over VARIANTS run it."""
