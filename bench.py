@@ -1,5 +1,5 @@
 """
-Cost of every residual method against prenorm.
+Cost of every residual method against prenorm: the time of a training step, or of decoding.
 
     python bench.py                                  # default config, every registered method
     python bench.py --config=deep --methods=prenorm,block_attnres,wav --steps=5
@@ -21,23 +21,14 @@ the ratio to prenorm, parameters, the bytes that autograd saves for backward (ac
 counted once per storage, parameters excluded; device-independent) and, on CUDA, peak memory.
 With --compile=True, the first step of each method (compilation included) is timed apart.
 
---count_ops=True times nothing: it counts the operators that one training step's forward and
-backward dispatch (the optimizer's step left out, the same for every method), exactly and on any
-device. A compute operator is a kernel launch on a GPU (5-20 us of host time each in eager mode,
-which is where most of the routing's cost goes at small and medium shapes); a Triton kernel wrapped
-as a custom op counts once, the operators inside it not at all; a view launches nothing. It reports
-each method's extra compute operators per sublayer over prenorm's and its views as a multiple of
-prenorm's. With the Triton kernels on a CPU, set TRITON_INTERPRET=1 (the counts are the same as on
-a GPU; the interpreter is slow, hence the 16-token shapes 'ops' and 'ops_deep').
-
---count_bytes=True times nothing either: it counts the bytes one training step's forward and
-backward move, as a GPU's memory traffic outside the caches: every compute operator reads its tensor
-inputs and writes its outputs (and the inputs it writes in place); a Triton kernel wrapped as a custom
-op reads and writes its arguments, its insides unseen; views, allocations and metadata move nothing.
-The step runs on fake tensors (shapes and dtypes only, no data, no arithmetic), so any shape counts
-exactly and at once on a CPU, GPT-2's included (a test holds fake and real counts equal), in bfloat16
-autocast as on a GPU unless --dtype says otherwise. It reports each method's bytes per step, x
-prenorm's, the routing's extra per sublayer, and the operators that add the most over prenorm's.
+--count_ops=True and --count_bytes=True time nothing: they count, exactly and on any device, the
+operators that one training step's forward and backward dispatch, or the bytes those move
+(counters.py says what counts). --count_ops reports each method's extra compute operators per
+sublayer over prenorm's and its views as a multiple of prenorm's; --count_bytes its bytes per step,
+x prenorm's, the routing's extra per sublayer and the operators that add the most over prenorm's, in
+bfloat16 autocast as on a GPU unless --dtype says otherwise. With the Triton kernels on a CPU, set
+TRITON_INTERPRET=1 (the counts are the same as on a GPU; the 16-token shapes 'ops' and 'ops_deep'
+keep the interpreter quick).
 
 --decode=True times generation with the KV cache instead of training (GPT.generate's path): a prompt
 of half the config's block_size, then the other half one token at a time, the same tokens for every
@@ -48,12 +39,8 @@ cache (the whole context run again, at a few positions), each x prenorm's; the c
 per token while it runs, as every method routes each token alone) and its operators.
 --count_ops=True with --decode=True counts one decode step's operators only (exact, no timing).
 
---suite=gpu is the prepared run for a lent GPU (at most about 10 minutes; run_suite below):
-
-    python bench.py --suite=gpu --suite_dir=$OUT         # on the GPU machine
-    python bench.py --suite=gpu --dry_run=True           # the same steps, tiny, on a CPU (a test runs it)
+gpu_suite.py is the prepared run of these benchmarks on a lent GPU.
 """
-import contextlib
 import json
 import os
 import statistics
@@ -61,17 +48,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import weakref
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 import configurator
-import kernels as kernels_module
+from counters import bytes_moved, decode_counts, model_config, operator_counts, report_bytes, report_ops, saved_bytes
 from kernels import resolve as resolve_kernels
-from model import COMPILE_MODES, COMPILE_SCOPES, GPT, GPTConfig, KVCache, method_knobs
+from model import COMPILE_MODES, COMPILE_SCOPES, GPT, KVCache, method_knobs
 from residuals import RESIDUALS
 
 CONFIGS = {
@@ -108,159 +91,6 @@ count_ops = False  # count the operators of one training step instead of timing 
 count_bytes = False  # count the bytes one training step moves instead of timing (exact; see above)
 decode = False  # time generation with the KV cache instead of training steps (see above)
 profile = False  # on CUDA, also the GPU's busy time per step (kernel time from the profiler, 2 more steps)
-suite = ''  # 'gpu': the prepared GPU run (see run_suite), written to suite_dir; with dry_run: the same on a CPU
-suite_dir = 'gpu_suite'
-suite_budget_s = 570  # the suite's wall-time budget: what does not fit is reported as not run
-dry_run = False  # the suite on the tiny config, a few methods and a few tests: does it all run?
-
-
-def model_config(name, shape, cfg):
-    """The GPTConfig of method `name` at a CONFIGS shape, with the method knobs cfg sets (the others at
-    their defaults)."""
-    return GPTConfig(**shape, **{k: cfg[k] for k in method_knobs() if k in cfg}, vocab_size=cfg['vocab_size'],
-                     residual=name)
-
-
-def saved_bytes(model, x, y):
-    """Bytes autograd keeps for backward after one forward: the storages of the saved tensors that
-    the graph still holds when the forward is done (a branch whose graph was dropped on the way
-    holds none, and its memory may be reused), each counted once, parameters left out."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved = []
-
-    def pack(t):
-        saved.append(weakref.ref(t))
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        _, loss = model(x, y)
-    storages = {}
-    for t in filter(lambda t: t is not None, (ref() for ref in saved)):
-        if t.untyped_storage().data_ptr() not in params:
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    del loss
-    return sum(storages.values())
-
-
-def is_view(op):
-    """An operator whose outputs alias its inputs without writing them (view, expand, t, unbind, ...)."""
-    return any(r.alias_info is not None and not r.alias_info.is_write for r in op._schema.returns)
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts the operators dispatched while it is active, compute operators by name."""
-
-    def __init__(self):
-        super().__init__()
-        self.compute, self.views = {}, 0
-
-    def __torch_dispatch__(self, op, types, args=(), kwargs=None):
-        if is_view(op):
-            self.views += 1
-        else:
-            self.compute[str(op)] = self.compute.get(str(op), 0) + 1
-        return op(*args, **(kwargs or {}))  # the ops inside run with this mode off: a custom op counts once
-
-
-def counted_step(name, shape, x, y, ctx, backend, cfg, counter):
-    """One forward and backward of a model of this method (made on x's device) with `counter`, a dispatch
-    mode, active, after one uncounted step, so that nothing lazy is counted -> the counter."""
-    with x.device:
-        torch.manual_seed(cfg['seed'])
-        model = GPT(model_config(name, shape, cfg))
-    model.set_kernels(backend, cfg['mgr_fallback_p'])
-    for mode in (contextlib.nullcontext(), counter):
-        model.zero_grad(set_to_none=True)
-        with ctx, mode:
-            _, loss = model(x, y)
-        with mode:
-            loss.backward()
-    return counter
-
-
-def operator_counts(name, shape, B, x, y, dev, ctx, backend, cfg):
-    """The operators of one forward and backward of a model of this method."""
-    counter = counted_step(name, shape, x, y, ctx, backend, cfg, OpCounter())
-    return dict(method=name, compute=sum(counter.compute.values()), views=counter.views, ops=counter.compute)
-
-
-# operators that move no data: they allocate, alias an input as a view without saying so, or change a
-# tensor's shape in place
-NO_TRAFFIC = {'aten::empty', 'aten::empty_like', 'aten::empty_strided', 'aten::new_empty', 'aten::_unsafe_view',
-              'aten::squeeze_', 'aten::unsqueeze_', 'aten::t_', 'aten::transpose_', 'aten::as_strided_', 'aten::detach_'}
-
-
-def tensor_bytes(tensors):
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-
-
-class ByteCounter(TorchDispatchMode):
-    """The bytes that the compute operators dispatched while it is active read and write, by name:
-    each reads its tensor arguments and writes its outputs and the arguments it mutates (an output
-    that is a mutated argument counts once)."""
-
-    def __init__(self):
-        super().__init__()
-        self.moved = {}
-
-    def __torch_dispatch__(self, op, types, args=(), kwargs=None):
-        out = op(*args, **(kwargs or {}))
-        schema = op._schema
-        if is_view(op) or op.namespace == 'prim' or schema.name in NO_TRAFFIC:
-            return out
-        kwargs = kwargs or {}
-        given = [kwargs.get(a.name) if a.kwarg_only or k >= len(args) else args[k]
-                 for k, a in enumerate(schema.arguments)]
-        mutated = [v for v, a in zip(given, schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
-        outs = out if len(schema.returns) > 1 else (out,)  # (one return may be a list of tensors)
-        fresh = [o for o, r in zip(outs, schema.returns) if r.alias_info is None]
-        moved = sum(tensor_bytes(tree_leaves(t)) for t in ((args, kwargs), mutated, fresh))
-        self.moved[str(op)] = self.moved.get(str(op), 0) + moved
-        return out
-
-
-def bytes_moved(name, shape, B, dev, ctx, backend, cfg, fake=True):
-    """The bytes one forward and backward of a model of this method move, by operator, on fake tensors
-    (fake=False: real ones, which a test compares them with)."""
-    with FakeTensorMode() if fake else contextlib.nullcontext(), dev:  # (made on dev: fakes do not move)
-        x, y = (torch.randint(cfg['vocab_size'], (B, shape['block_size'])) for _ in range(2))
-        counter = counted_step(name, shape, x, y, ctx, backend, cfg, ByteCounter())
-    return dict(method=name, bytes=sum(counter.moved.values()), ops=counter.moved)
-
-
-def report_bytes(results, cfg, shape, B, backend, dtype_name, top=3):
-    """Bytes per step, x prenorm's (the first row), the routing's extra per sublayer, and the operators
-    that move the most more than prenorm's do."""
-    base, sublayers = results[0], 2 * shape['n_layer']
-    print(f"\nbytes moved per training step (forward + backward), kernels={backend}, {dtype_name}, "
-          f"{B} x {shape['block_size']} tokens, {sublayers} sublayers")
-    print(f"{'method':<14} {'GB':>7} {'x prenorm':>10} {'+MB/sublayer':>13}  largest extra operators (GB)")
-    for r in results:
-        r['ratio'] = r['bytes'] / base['bytes']
-        r['extra_per_sublayer'] = (r['bytes'] - base['bytes']) / sublayers
-        extra = {op: b - base['ops'].get(op, 0) for op, b in r['ops'].items()}
-        largest = sorted((kv for kv in extra.items() if kv[1] > 0), key=lambda kv: -kv[1])[:top]
-        print(f"{r['method']:<14} {r['bytes'] / 1e9:>7.2f} {r['ratio']:>10.3f} {r['extra_per_sublayer'] / 1e6:>+13.1f}  "
-              + ', '.join(f"{op.removeprefix('aten.').removesuffix('.default')} {b / 1e9:.2f}" for op, b in largest))
-    if cfg['json_path']:
-        with open(cfg['json_path'], 'w') as f:
-            json.dump({'config': cfg, 'shape': shape, 'batch_size': B, 'kernels': backend, 'dtype': dtype_name,
-                       'torch': torch.__version__, 'results': results}, f, indent=1)
-
-
-def report_ops(results, cfg, shape, backend):
-    """The routing's extra operators per sublayer, over prenorm's (the first row)."""
-    base, sublayers = results[0], 2 * shape['n_layer']
-    print(f"\noperators per training step (forward + backward), kernels={backend}, {sublayers} sublayers")
-    print(f"{'method':<14} {'compute':>8} {'views':>7} {'+compute/sublayer':>18} {'views x prenorm':>16}")
-    for r in results:
-        r['extra_per_sublayer'] = (r['compute'] - base['compute']) / sublayers
-        r['views_ratio'] = r['views'] / base['views']
-        print(f"{r['method']:<14} {r['compute']:>8} {r['views']:>7} {r['extra_per_sublayer']:>+18.1f} "
-              f"{r['views_ratio']:>16.2f}")
-    if cfg['json_path']:
-        with open(cfg['json_path'], 'w') as f:
-            json.dump({'config': cfg, 'shape': shape, 'kernels': backend, 'torch': torch.__version__,
-                       'results': results}, f, indent=1)
 
 
 def main(argv):
@@ -270,8 +100,6 @@ def main(argv):
                              'compile_scope': (lambda v: v in COMPILE_SCOPES, ' or '.join(COMPILE_SCOPES)),
                              'compile_mode': (lambda v: v in COMPILE_MODES, ' or '.join(COMPILE_MODES)),
                              'mgr_fallback_p': (lambda v: v >= -1, '-1 (no inversion) or at least 0')})
-    if cfg['suite']:
-        return run_suite(cfg)
     names = ['prenorm'] + [m for m in cfg['methods'].split(',') if m and m != 'prenorm']
     unknown = [m for m in names if m not in RESIDUALS]
     if unknown:
@@ -300,7 +128,7 @@ def main(argv):
              f"{cfg['warmup']} warm-up + {cfg['steps']} timed steps each, {torch.get_num_threads()} threads"))
 
     if cfg['decode']:
-        results = decode_costs(names, shape, B, dev, ctx, backend, cfg)
+        results = (decode_counts if cfg['count_ops'] else decode_costs)(names, shape, B, dev, ctx, backend, cfg)
         report_decode(results, cfg, shape, B, dev, dtype_name, backend)
         return results
     if cfg['count_ops']:
@@ -321,37 +149,11 @@ def main(argv):
 
 # ----------------------------------------------------------------------------- decoding
 
-class PeakMemory(TorchDispatchMode):
-    """The most bytes of tensors made while it is active that are alive at once, each storage once
-    (what existed before, the weights and a cache, is not counted)."""
-
-    def __init__(self):
-        super().__init__()
-        self.live, self.now, self.peak = {}, 0, 0  # storage address -> (bytes, weak refs of its tensors)
-
-    def __torch_dispatch__(self, op, types, args=(), kwargs=None):
-        out = op(*args, **(kwargs or {}))
-        for address, (size, refs) in list(self.live.items()):  # free what nothing holds any more
-            refs[:] = [r for r in refs if r() is not None]
-            if not refs:
-                del self.live[address]
-                self.now -= size
-        given = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        for t in tree_leaves(out) if not is_view(op) else ():  # a view or an in-place write makes no memory
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given | {0}:
-                address, size = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
-                if address not in self.live:
-                    self.live[address] = (size, [])
-                    self.now += size
-                self.live[address][1].append(weakref.ref(t))
-        self.peak = max(self.peak, self.now)
-        return out
-
-
 def decode_costs(names, shape, B, dev, ctx, backend, cfg):
     """Per method: the prompt's prefill, a new token's step with the cache and without it, in ms
-    (medians; see time_decoding), the cache's bytes, and one decode step's working memory and
-    operators (with --count_ops, these alone)."""
+    (medians; see time_decoding), and the cache's bytes, beside one decode step's working memory and
+    operators (counters.decode_counts)."""
+    counts = decode_counts(names, shape, B, dev, ctx, backend, cfg)
     T, gen = shape['block_size'], torch.Generator().manual_seed(cfg['seed'])
     tokens = torch.randint(cfg['vocab_size'], (B, T), generator=gen).to(dev)  # prompt, then teacher-forced tokens
     runs = {}
@@ -361,25 +163,12 @@ def decode_costs(names, shape, B, dev, ctx, backend, cfg):
         model.set_kernels(backend, cfg['mgr_fallback_p'])
         runs[name] = dict(model=model, prefill=[], step=[], uncached=[])
     with torch.no_grad(), ctx:
-        if not cfg['count_ops']:
-            time_decoding(runs, tokens, dev, cfg)
-        for run in runs.values():  # one decode step of the last token, watched
-            model, cache = run['model'], KVCache(run['model'].config)
-            model(tokens[:, :T - 1], cache=cache)
-            for key, mode in (('ops', OpCounter()), ('memory', PeakMemory())):
-                with mode:
-                    model(tokens[:, T - 1:], cache=cache)
-                cache.length, run[key] = T - 1, mode
-    results = []
-    for name, run in runs.items():
-        r = dict(method=name, compute=sum(run['ops'].compute.values()), views=run['ops'].views, ops=run['ops'].compute,
-                 step_bytes=run['memory'].peak / B)
-        if run['step']:
-            r.update(prefill_ms=statistics.median(run['prefill']), step_ms=statistics.median(run['step']),
-                     uncached_ms=statistics.median(run['uncached']), cache_bytes_per_token=run['cache_bytes'] / (B * T))
-            r['ratio'] = r['step_ms'] / statistics.median(runs[names[0]]['step'])  # as the suite's table reads it
-        results.append(r)
-    return results
+        time_decoding(runs, tokens, dev, cfg)
+    base = statistics.median(runs[names[0]]['step'])
+    return [dict(r, prefill_ms=statistics.median(run['prefill']), step_ms=statistics.median(run['step']),
+                 uncached_ms=statistics.median(run['uncached']), cache_bytes_per_token=run['cache_bytes'] / (B * T),
+                 ratio=statistics.median(run['step']) / base)  # as gpu_suite.py's table reads it
+            for r, run in zip(counts, runs.values())]
 
 
 def time_decoding(runs, tokens, dev, cfg, positions=8):
@@ -433,102 +222,6 @@ def report_decode(results, cfg, shape, B, dev, dtype_name, backend):
         with open(cfg['json_path'], 'w') as f:
             json.dump({'config': cfg, 'shape': shape, 'batch_size': B, 'device': str(dev), 'dtype': dtype_name,
                        'kernels': backend, 'torch': torch.__version__, 'results': results}, f, indent=1)
-
-
-# The suite's benchmarks: (label, bench arguments, methods (None: all), seconds at most): every method
-# eager; Block AttnRes and WAV (the paper's pair) compiled, in torch.compile's default mode and with
-# CUDA graphs (compiling a whole GPT-2-sized model takes tens of seconds per method).
-SUITE_RUNS = [('eager', [], None, 120),
-              ('decode', ['--decode=True', '--steps=2'], None, 90),
-              ('compiled', ['--compile=True', '--warmup=2'], 'block_attnres,wav', 160),
-              ('reduce-overhead', ['--compile=True', '--compile_mode=reduce-overhead', '--warmup=3'],
-               'block_attnres,wav', 160)]
-SUITE_TESTS_S = 120
-
-
-def run_suite(cfg):
-    """The prepared run for a lent GPU, about 10 minutes: (1) the kernels' tests on CUDA; (2) bench at
-    GPT-2 small's shape (bfloat16) with the Triton kernels, every method eager, block_attnres and wav
-    compiled (default mode, and reduce-overhead: CUDA graphs), each with the profiler's GPU-busy time
-    beside the wall time; decoding with the KV cache, every method (a new token's time). Writes
-    suite.json and suite.md (the table for docs/PERFORMANCE.md, with the hardware and the versions)
-    into suite_dir. Each part is a child process with a time limit; a part
-    that does not finish is written as such. dry_run: the tiny config on this machine (the kernels
-    through Triton's interpreter), a few tests and methods, no compiling."""
-    if cfg['suite'] != 'gpu':
-        sys.exit(f"error: suite={cfg['suite']!r}; the one suite is 'gpu'")
-    dry, cuda = cfg['dry_run'], torch.cuda.is_available()
-    if not cuda and not dry:
-        sys.exit("error: --suite=gpu needs a CUDA GPU; --dry_run=True runs the same steps, tiny, on this machine")
-    os.makedirs(cfg['suite_dir'], exist_ok=True)
-    env = {**os.environ, **({} if cuda else {'TRITON_INTERPRET': '1'})}
-    here = os.path.dirname(os.path.abspath(__file__))
-    start = time.time()
-
-    def child(args, limit):  # a dry run has no time limits: it checks that everything runs, on any machine
-        limit = None if dry else min(limit, cfg['suite_budget_s'] - (time.time() - start))
-        if limit is not None and limit < 10:
-            return None, 'not run: out of time'
-        try:
-            done = subprocess.run(args, cwd=here, env=env, capture_output=True, text=True, timeout=limit)
-        except subprocess.TimeoutExpired:
-            return None, f'stopped after {limit:.0f} s'
-        lines = (done.stdout + done.stderr).strip().splitlines()
-        return done, lines[-1] if lines else ''
-
-    suite = {'device': torch.cuda.get_device_name() if cuda else 'CPU (dry run)', 'torch': torch.__version__,
-             'triton': getattr(kernels_module.triton, '__version__', None), 'date': time.strftime('%Y-%m-%d'),
-             'config': 'tiny' if dry else 'gpt2', 'runs': {}}
-    tests = ['-k', 'float64 and block_attnres'] if dry else []
-    print(f"suite: the kernels' tests{' (a few)' if dry else ''} on {'CUDA' if cuda else 'the CPU'}", file=sys.stderr)
-    _, suite['tests'] = child([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', 'test_kernels.py', *tests],
-                              SUITE_TESTS_S)
-    for label, extra, methods, limit in SUITE_RUNS:
-        if dry and '--compile=True' in extra:
-            suite['runs'][label] = {'status': 'not run: no compiling in a dry run'}
-            continue
-        methods = 'block_attnres,mgr' if dry else methods
-        path = os.path.join(os.path.abspath(cfg['suite_dir']), f'{label}.json')
-        print(f"suite: bench {label}, {methods or 'every method'}", file=sys.stderr)
-        done, status = child([sys.executable, os.path.abspath(__file__), f"--config={suite['config']}", '--kernels=triton',
-                              '--profile=True', '--isolate=False', f'--json_path={path}', *extra]
-                             + ([f'--methods={methods}'] if methods else []) + (['--steps=1', '--warmup=0'] if dry else []),
-                             limit)
-        if done is not None and done.returncode == 0:
-            with open(path) as f:
-                suite['runs'][label] = {'status': 'done', **json.load(f)}
-        else:
-            suite['runs'][label] = {'status': status if done is None else f'failed: {status}'}
-    with open(os.path.join(cfg['suite_dir'], 'suite.json'), 'w') as f:
-        json.dump(suite, f, indent=1)
-    table = suite_table(suite)
-    with open(os.path.join(cfg['suite_dir'], 'suite.md'), 'w') as f:
-        f.write(table)
-    print(table)
-    return suite
-
-
-def suite_table(suite):
-    """The suite's markdown: every method's step and GPU-busy time x prenorm's, per run."""
-    runs = suite['runs']
-    head = (f"On {suite['device']}, torch {suite['torch']}, triton {suite['triton']}, {suite['date']}; "
-            f"config {suite['config']}, Triton kernels. Kernel tests: {suite['tests']}.\n"
-            + ''.join(f"{label}: {r['status']}.\n" for label, r in runs.items() if r['status'] != 'done') + '\n')
-    done = {label: {r['method']: r for r in run['results']} for label, run in runs.items() if run['status'] == 'done'}
-    if not done:
-        return head
-    cols = ''.join(f" | {label}: step ms | x prenorm | GPU busy x prenorm" for label in done)
-    lines = [f"| method{cols} |", '|---' + '|---:' * 3 * len(done) + '|']
-    methods = list(dict.fromkeys(m for rows in done.values() for m in rows))
-    for m in methods:
-        cells = ''
-        for rows in done.values():
-            r, base = rows.get(m), rows['prenorm']
-            busy = (f"{r['gpu_busy_ms'] / base['gpu_busy_ms']:.2f}" if r and r.get('gpu_busy_ms') and base.get('gpu_busy_ms')
-                    else '')
-            cells += f" | {r['step_ms']:.1f} | {r['ratio']:.2f} | {busy}" if r else ' | | |'
-        lines.append(f"| {m}{cells} |")
-    return head + '\n'.join(lines) + '\n'
 
 
 def isolated(argv, methods):

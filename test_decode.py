@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import bench
+import counters
 import kernels
 import sample
 import train
@@ -159,8 +160,8 @@ def test_operators_per_decode_step_are_pinned(backend):
     """Counted exactly (no timing) on a 4-layer model decoding its 8th position; within 2% for other
     PyTorch versions' decompositions."""
     shape = dict(n_layer=4, n_embd=32, n_head=2, block_size=8)
-    cfg = dict(seed=0, vocab_size=96, mgr_fallback_p=1, steps=1, warmup=0, count_ops=True)
-    results = bench.decode_costs(METHODS, shape, 1, KERNEL_DEVICE, contextlib.nullcontext(), backend, cfg)
+    cfg = dict(seed=0, vocab_size=96, mgr_fallback_p=1)
+    results = counters.decode_counts(METHODS, shape, 1, KERNEL_DEVICE, contextlib.nullcontext(), backend, cfg)
     counted = {r['method']: (r['compute'], r['views']) for r in results}
     off = {m: (counted[m], want) for m, want in DECODE_OPERATORS[backend].items()
            if any(abs(c - w) > max(2, 0.02 * w) for c, w in zip(counted[m], want))}
@@ -173,8 +174,8 @@ def test_operators_per_decode_step_are_pinned(backend):
 def test_bench_decode_measures_every_method(backend):
     """bench.py --decode at a tiny shape: every figure is there, the cache is the same for every
     method, and the decode step's working memory and operators are counted."""
-    shape, cfg = dict(n_layer=2, n_embd=32, n_head=2, block_size=8), dict(seed=0, vocab_size=27, mgr_fallback_p=1,
-                                                                         steps=1, warmup=0, count_ops=False)
+    shape = dict(n_layer=2, n_embd=32, n_head=2, block_size=8)
+    cfg = dict(seed=0, vocab_size=27, mgr_fallback_p=1, steps=1, warmup=0)
     results = bench.decode_costs(METHODS, shape, 2, KERNEL_DEVICE, contextlib.nullcontext(), backend, cfg)
     assert [r['method'] for r in results] == METHODS
     for r in results:
@@ -187,7 +188,7 @@ def test_peak_memory_counts_what_is_alive_at_once():
     """Two new tensors alive together count together; a freed one is counted out; views, in-place
     writes and what existed before count nothing."""
     before = torch.ones(1000)
-    with bench.PeakMemory() as memory:
+    with counters.PeakMemory() as memory:
         a = before * 2  # 4000 bytes
         b = a + 1  # 8000 alive
         del a, b

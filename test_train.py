@@ -138,7 +138,7 @@ def test_config_file_and_overrides_are_type_checked(tmp_path):
 
 def test_a_scripts_constants_are_not_its_keys():
     """--help lists a script's keys, and only they can be set: its public settings in lower case,
-    not its constants in capitals (bench.py's suite budget per test was listed and settable)."""
+    not its constants in capitals (gpu_suite.py's time limit for the tests was once listed and settable)."""
     import configurator
     assert configurator.keys_of({'steps': 4, 'SUITE_TESTS_S': 120, '_private': 1, 'rate': 0.5, 'f': len}) == \
         {'steps': 4, 'rate': 0.5}
@@ -400,13 +400,13 @@ def test_compile_says_that_it_compiles_and_passes_the_mode_through(tmp_path, dat
 
 @pytest.mark.skipif(kernels.triton is None, reason='triton is not installed (pip install triton; Linux)')
 def test_the_gpu_suite_runs_dry_on_a_cpu(tmp_path):
-    """bench.py --suite=gpu, prepared for a lent GPU, runs the same steps tiny on a CPU: a few kernel
-    tests, the eager and decode benchmarks through the Triton interpreter, its JSON and markdown table; and it
+    """gpu_suite.py, prepared for a lent GPU, runs the same steps tiny on a CPU: a few kernel tests,
+    the eager and decode benchmarks through the Triton interpreter, its JSON and markdown table; and it
     refuses to start for real without a GPU."""
-    import bench
+    import gpu_suite
     if not torch.cuda.is_available():
-        assert 'needs a CUDA GPU' in exit_message(bench.main, ['--suite=gpu', f'--suite_dir={tmp_path}'])
-    suite = bench.main(['--suite=gpu', '--dry_run=True', f'--suite_dir={tmp_path}'])
+        assert 'needs a CUDA GPU' in exit_message(gpu_suite.main, [f'--out_dir={tmp_path}'])
+    suite = gpu_suite.main(['--dry_run=True', f'--out_dir={tmp_path}'])
     assert 'passed' in suite['tests'] and 'failed' not in suite['tests']
     assert suite['runs']['eager']['status'] == 'done' and suite['runs']['compiled']['status'].startswith('not run')
     assert [r['method'] for r in suite['runs']['eager']['results']] == ['prenorm', 'block_attnres', 'mgr']
@@ -416,7 +416,8 @@ def test_the_gpu_suite_runs_dry_on_a_cpu(tmp_path):
     assert json.loads((tmp_path / 'suite.json').read_text())['config'] == 'tiny'
 
 
-@pytest.mark.parametrize('script', ['train.py', 'sample.py', 'bench.py', 'analyze.py', 'sweep.py', 'data.py'])
+@pytest.mark.parametrize('script', ['train.py', 'sample.py', 'bench.py', 'gpu_suite.py', 'analyze.py', 'sweep.py',
+                                    'data.py'])
 def test_every_script_answers_help(script, tmp_path):
     result = run_cli(script, '--help', cwd=tmp_path)
     assert result.returncode == 0 and f'python {script}' in result.stdout, result.stdout + result.stderr
