@@ -11,6 +11,7 @@ and the precision.
 """
 import ast
 import difflib
+import importlib
 import os
 import sys
 import traceback
@@ -25,6 +26,34 @@ def keys_of(scope):
     in capitals) left out."""
     return {k: v for k, v in scope.items()
             if not k.startswith('_') and not k.isupper() and type(v) in (int, float, bool, str)}
+
+
+def script_keys(path):
+    """The keys of a script read from its source, without running it (keys_of gives the same once it
+    has run): its module-level assignments to public names of a literal, or of a constant of a module
+    it imports (module.NAME). sweep.py checks train.py's command lines with them."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    modules = {alias.asname or alias.name: alias.name for node in tree.body if isinstance(node, ast.Import)
+               for alias in node.names}
+    keys = {}
+    for node in tree.body:
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
+            continue
+        name, value = node.targets[0].id, node.value
+        if name.startswith('_') or name.isupper():
+            continue
+        if isinstance(value, ast.Attribute) and isinstance(value.value, ast.Name) and value.value.id in modules:
+            value = getattr(importlib.import_module(modules[value.value.id]), value.attr)
+        else:
+            try:
+                value = ast.literal_eval(value)
+            except ValueError:
+                sys.exit(f"error: {path}, line {node.lineno}: the default of {name} is neither a literal nor a "
+                         f"constant of a module it imports, so other tools cannot read it")
+        if type(value) in (int, float, bool, str):
+            keys[name] = value
+    return keys
 
 
 def parse(argv, defaults, doc):

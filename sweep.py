@@ -33,7 +33,9 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import fields
 
+import configurator
 from residuals import RESIDUALS
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -529,8 +531,7 @@ def plot(results, rows, path, references=REFERENCES):
 
 def grid_from_command_line(opts):
     """A grid given as --configs, --variants (each a ';'-separated list of train.py arguments) and
-    --seeds (comma-separated), every run's command line checked by train.py's own checks first."""
-    import train  # (only here: the rest of this script does not need torch)
+    --seeds (comma-separated), every run's command line checked first (check_arguments)."""
     split = lambda text: [part.split() for part in text.split(';') if part.strip()]
     configs, variants = split(opts['configs']), split(opts['variants'])
     try:
@@ -543,10 +544,31 @@ def grid_from_command_line(opts):
     for config in configs:
         for variant in variants:
             try:
-                train.parse_config([*config, *variant])
+                check_arguments([*config, *variant])
             except SystemExit as e:
                 sys.exit(f"{e.code} (in the run {' '.join([*config, *variant])!r})")
     return dict(configs=configs, variants=variants, seeds=seeds)
+
+
+def train_defaults():
+    """train.py's keys and defaults (its default_config()) without importing it: GPTConfig's fields but
+    vocab_size, which comes from the dataset, then the script's own, read from its source."""
+    from model import GPTConfig  # (only here: a report needs no model)
+    return {**{f.name: f.default for f in fields(GPTConfig) if f.name != 'vocab_size'},
+            **configurator.script_keys(os.path.join(ROOT, 'train.py'))}
+
+
+def check_arguments(args):
+    """Exit with train.py's one-line error where a run's arguments name an unknown key, give a value of
+    the wrong type, or make a model that GPTConfig or the method's class refuses; the ranges of
+    train.py's own numbers are checked when the run starts."""
+    from model import GPTConfig
+    cfg, _ = configurator.parse(args, train_defaults(), 'python train.py')
+    try:
+        config = GPTConfig(**{f.name: cfg[f.name] for f in fields(GPTConfig) if f.name in cfg})
+        RESIDUALS[config.residual](config)  # the class's own checks (MGR's gate, mHC-lite's n!)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
 
 
 def main(argv):

@@ -2,6 +2,7 @@
 analyze.py (the papers' diagnostics, each checked on a case whose answer is known by hand) and
 sweep.py (grids of runs, resuming, and the results report).
 """
+import ast
 import importlib.util
 import json
 import math
@@ -318,8 +319,8 @@ def test_a_grid_of_several_products_runs_in_their_order_and_pairs_over_the_seeds
 def test_a_grid_on_the_command_line_reports_its_diverged_runs_and_the_methods_not_run(tmp_path, data_dir,
                                                                                       monkeypatch):
     """sweep.py NAME --configs --variants --seeds runs a grid that GRIDS does not hold (its runs'
-    command lines checked by train.py first); a run whose loss stops being finite is kept as diverged
-    and named in the report, not left out; a method with no result file yet is named too."""
+    command lines checked against train.py's keys first); a run whose loss stops being finite is kept
+    as diverged and named in the report, not left out; a method with no result file yet is named too."""
     monkeypatch.setattr(sweep, 'GRIDS', dict(sweep.GRIDS))  # what the command line adds stays in this test
     config = tmp_path / 'tiny.py'
     config.write_text(f"dataset = 'pydoc'\ndata_dir = {data_dir!r}\nmax_iters = 6\neval_interval = 2\nn_layer = 1\n"
@@ -338,3 +339,19 @@ def test_a_grid_on_the_command_line_reports_its_diverged_runs_and_the_methods_no
     del sweep.GRIDS['mine']
     sweep.main(['mine', '--report', *dirs, *spec[:2], spec[2] + '; --residual=laurel_rw'])  # one more method
     assert 'Not run yet (no result file): laurel_rw (tiny).' in (folder / 'results.md').read_text()
+
+
+def test_sweep_checks_a_grids_command_lines_with_train_pys_keys_without_importing_it(tmp_path):
+    """sweep.py reads train.py's keys from its source (configurator.script_keys): the same keys and
+    defaults as train.py's own, the same one-line errors, and train.py is not imported; nor is it by
+    any other script (only tests may)."""
+    assert sweep.train_defaults() == train.default_config() and list(sweep.train_defaults()) == list(
+        train.default_config())
+    for args in (['--hc_stream=2'], ['--n_layer=x'], ['--residual=mgr', '--mgr_gate=x'], ['--residual=nope']):
+        assert exit_message(sweep.check_arguments, args) == exit_message(train.parse_config, args)
+    for script in Path(sweep.ROOT).glob('*.py'):
+        if not script.name.startswith(('test_', 'conftest')):
+            tree = ast.parse(script.read_text())
+            imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+            imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+            assert 'train' not in imported, script.name
