@@ -8,16 +8,22 @@ Run a grid of experiments over seeds, keep each run's result, and compare the me
     python sweep.py mine --configs=config/cpu_study.py --seeds=0,1,2 \
         --variants="--residual=prenorm; --residual=hc --hc_streams=8"   # a grid given here: results/mine/
 
-A grid is base configs x variants x seeds (or a list of such products); each run is `python train.py CONFIG... VARIANT... --seed=S
+A grid is a file config/GRID.grid.json: what it is for ("about"), the references its report pairs
+every method with ("references"; prenorm and block_attnres where it names none), and its "parts",
+each a product of "configs" x "variants" x "seeds" whose runs go config by config, variant by
+variant, seed by seed ("seed_by_seed": true runs every config and variant at one seed before the
+next seed, so that each finished seed is a paired comparison). A config or a variant is train.py
+arguments separated by spaces; the variant --residual=* stands for every registered method, so that
+a method registered later joins the grid. Each run is `python train.py CONFIG... VARIANT... --seed=S
 --out_dir=RUNS/GRID/NAME` (RUNS = --runs_dir, default runs/). When a run has finished, its final
 metrics, validation curve and wall time go to RESULTS/GRID/NAME.json (--results_dir, default
 results/): small files to commit, from which --report rebuilds the table and the plot.
 
 The comparison is paired. Runs of different methods with the same seed share the initial weights
 of the shared modules and the data order, so for each method and config the report takes, seed by
-seed, the difference of its final validation loss to a reference method's (prenorm, and
-block_attnres), and gives their mean with a 95% confidence interval (Student t over the per-seed
-differences). An interval that excludes zero is a difference the seeds resolve.
+seed, the difference of its final validation loss to a reference method's, and gives their mean
+with a 95% confidence interval (Student t over the per-seed differences). An interval that excludes
+zero is a difference the seeds resolve.
 
 Equal time: where RESULTS/GRID/bench.json holds `python bench.py --json_path=...` at the grid's shape
 (each method's train-step time x prenorm's, measured isolated), the report adds, per method, the
@@ -39,98 +45,48 @@ import configurator
 from residuals import RESIDUALS
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-CHAR_METHODS = ['prenorm', 'rezero', 'layerscale', 'block_attnres', 'wav']
-# the MGR paper's settings: n = 4 and 8 streams, independent and competitive gates (the defaults, n = 4
-# competitive, left off the command line, so that run is the plain `mgr` of every grid)
-MGR_VARIANTS = [['--residual=mgr', *([f'--mgr_streams={n}'] if n != 4 else []),
-                 *([f'--mgr_gate={gate}'] if gate != 'competitive' else [])]
-                for n in (4, 8) for gate in ('competitive', 'independent')]
-FINEWEB_VARIANTS = [['--residual=prenorm'], ['--residual=mhc_lite'], ['--residual=block_attnres'],
-                    ['--residual=attnres'], *MGR_VARIANTS]
-
-
-def at_rate(residual, rate, min_lr):
-    """A method at a learning rate other than its config's (as written: they name its runs)."""
-    return [f'--residual={residual}', f'--learning_rate={rate}', f'--min_lr={min_lr}']
-
-
-GRIDS = {
-    # the CPU depth trend: prenorm, block_attnres and wav at 48, 24 and 12 layers of width 64, three seeds, then
-    # (in the order of what each decides) WAV against Block AttnRes at 48 layers to eight seeds, the dense
-    # baselines at 12 and 24 layers, then at 48 (MUDD at lower rates: it does not train at the recipe's),
-    # then WAV against Block AttnRes at 24 layers to eight seeds.
-    # The extra seeds run seed by seed, so that each finished pair is a comparison.
-    'cpu_depth': [dict(configs=[['config/cpu_depth.py', f'--n_layer={n}'] for n in (48, 24, 12)],
-                       variants=[[f'--residual={r}'] for r in ('prenorm', 'block_attnres', 'wav')], seeds=[0, 1, 2]),
-                  *[dict(configs=[['config/cpu_depth.py', '--n_layer=48']],
-                         variants=[['--residual=block_attnres'], ['--residual=wav']], seeds=[seed]) for seed in range(3, 8)],
-                  dict(configs=[['config/cpu_depth.py', f'--n_layer={n}'] for n in (24, 12)],
-                       variants=[['--residual=mudd'], ['--residual=denseformer']], seeds=[0, 1, 2]),
-                  # the MGR paper's comparison at depth: MGR at its four settings beside the methods it names
-                  dict(configs=[['config/cpu_depth.py', f'--n_layer={n}'] for n in (12, 24)],
-                       variants=[*MGR_VARIANTS, ['--residual=attnres'], ['--residual=mhc_lite']], seeds=[0, 1, 2]),
-                  # MUDD at 48 layers diverges at the recipe's 2e-3 and at 5e-4, and trains at 2e-4 (three seeds each;
-                  # docs/METHODS.md): DenseFormer's third seed, then the 24-layer seeds, then two lower rates for
-                  # MUDD, more seeds of 2e-4 (it trains) beside prenorm at 2e-4 (what the lower rate alone costs),
-                  # and the third seeds of MUDD's two failed rates
-                  *[dict(configs=[['config/cpu_depth.py', '--n_layer=48']],
-                         variants=[['--residual=mudd'], ['--residual=denseformer'], at_rate('mudd', '5e-4', '5e-5')], seeds=[seed])
-                    for seed in range(2)],
-                  dict(configs=[['config/cpu_depth.py', '--n_layer=48']], variants=[['--residual=denseformer']],
-                       seeds=[2]),
-                  *[dict(configs=[['config/cpu_depth.py', '--n_layer=24']],
-                         variants=[['--residual=block_attnres'], ['--residual=wav']], seeds=[seed]) for seed in range(3, 8)],
-                  dict(configs=[['config/cpu_depth.py', '--n_layer=48']], variants=[at_rate('mudd', '2e-4', '2e-5'), at_rate('mudd', '1e-4', '1e-5')],
-                       seeds=[0]),
-                  dict(configs=[['config/cpu_depth.py', '--n_layer=48']], variants=[at_rate('mudd', '2e-4', '2e-5')], seeds=[1, 2]),
-                  dict(configs=[['config/cpu_depth.py', '--n_layer=48']], variants=[at_rate('prenorm', '2e-4', '2e-5')],
-                       seeds=[0]),
-                  dict(configs=[['config/cpu_depth.py', '--n_layer=48']], variants=[['--residual=mudd'], at_rate('mudd', '5e-4', '5e-5')],
-                       seeds=[2])],
-    # the WAV paper's largest gain (TinyStories, 48 layers) at the depth recipe on the TinyStories slice
-    # (python data.py tinystories_slice): Block AttnRes and WAV, eight seeds, seed by seed so that each
-    # finished pair is a comparison
-    'cpu_depth_tinystories': [dict(configs=[['config/cpu_depth.py', '--dataset=tinystories_slice', '--n_layer=48']],
-                                   variants=[['--residual=block_attnres'], ['--residual=wav']], seeds=[seed])
-                              for seed in range(8)],
-    # the learning rate of cpu_methods: prenorm and block_attnres at four rates, one seed
-    'cpu_lr': dict(configs=[['config/cpu_methods.py']],
-                   variants=[[f'--residual={r}', f'--learning_rate={lr}', f'--min_lr={lr / 10:g}']
-                             for lr in (3e-3, 6e-3, 1e-2, 2e-2) for r in ('prenorm', 'block_attnres')],
-                   seeds=[0]),
-    # the recipe for the next CPU study, chosen by its noise: prenorm and block_attnres, three seeds, at three
-    # recipes of cpu_methods' compute (3.3M characters) with a longer warmup and a 4x larger validation set:
-    # lower peak learning rates, twice the batch for half the steps (the committed cpu_methods runs are the fourth)
-    'pilot': dict(configs=[['config/cpu_methods.py', f'--learning_rate={lr}', f'--min_lr={min_lr}', '--warmup_iters=100',
-                            '--eval_tokens=131072', *batch] for lr, min_lr, batch in
-                           (('2e-3', '2e-4', ['--batch_size=32', '--max_iters=800']), ('2e-3', '2e-4', []),
-                            ('4e-3', '4e-4', ['--batch_size=32', '--max_iters=800']))],
-                  variants=[[f'--residual={r}'] for r in ('prenorm', 'block_attnres')], seeds=[0, 1, 2]),
-    # every registered method on the pilot's recipe and MGR's other three settings of its paper, five seeds
-    # (about 8 hours with --jobs=2 on 2 cores), seed by seed, so that a method added later has a comparison
-    # after its first round
-    'cpu_study': [dict(configs=[['config/cpu_study.py']],
-                       variants=[*[[f'--residual={r}'] for r in RESIDUALS], *MGR_VARIANTS[1:]], seeds=[seed])
-                  for seed in range(5)],
-    # ReZero stalls near the bigram plateau at cpu_study's learning rate: its sensitivity, two seeds
-    'cpu_study_lr': dict(configs=[['config/cpu_study.py']],
-                         variants=[['--residual=rezero', f'--learning_rate={lr}', f'--min_lr={lr / 10:g}']
-                                   for lr in (6e-3, 2e-2)], seeds=[0, 1]),
-    # every registered method at one CPU config, three seeds (about 2 hours with --jobs=2 on 2 cores)
-    'cpu_methods': dict(configs=[['config/cpu_methods.py']],
-                        variants=[[f'--residual={r}'] for r in RESIDUALS], seeds=[0, 1, 2]),
-    # the same on one GPU, bfloat16 and compiled
-    'gpu_methods': dict(configs=[['config/gpu_methods.py']],
-                        variants=[[f'--residual={r}'] for r in RESIDUALS], seeds=[0, 1, 2]),
-    # the WAV paper's character-level grid
-    'char': dict(configs=[[f'config/{ds}_{n}l.py'] for ds in ('text8', 'tinystories') for n in (12, 24, 48)],
-                 variants=[[f'--residual={r}'] for r in CHAR_METHODS], seeds=[0, 1, 2]),
-    # the MGR paper's small FineWeb grid
-    'fineweb': dict(configs=[[f'config/fineweb_{size}.py'] for size in 'SML'], variants=FINEWEB_VARIANTS,
-                    seeds=[0]),
-}
-REFERENCES = ('prenorm', 'block_attnres')  # the baselines every method is compared with, pair by pair
+REFERENCES = ('prenorm', 'block_attnres')  # the baselines a grid's methods are compared with, unless it names others
 TARGET_HALF_WIDTH = 0.015  # nats: the 95% half-width a study aims at (the report names the comparisons over it)
+EVERY_METHOD = '--residual=*'  # in a grid's variant: one run for each registered method, in the registry's order
+TEXT = (lambda v: isinstance(v, str), 'a string')
+STRINGS = (lambda v: isinstance(v, list) and v != [] and all(isinstance(x, str) for x in v), 'a list of strings')
+GRID_KEYS = {'about': TEXT, 'references': STRINGS,
+             'parts': (lambda v: isinstance(v, list) and v != [], 'a list of parts')}
+PART_KEYS = {'about': TEXT, 'configs': STRINGS, 'variants': STRINGS,
+             'seeds': (lambda v: isinstance(v, list) and v != [] and all(type(s) is int and s >= 0 for s in v),
+                       'a list of integers from 0'),
+             'seed_by_seed': (lambda v: type(v) is bool, 'true or false')}
+
+
+def read_grid(path):
+    """A grid file, checked: a misspelt key would change its runs silently."""
+    with open(path) as f:
+        try:
+            grid = json.load(f)
+        except json.JSONDecodeError as e:
+            sys.exit(f"error: {path}: {e}")
+    check_spec(path, grid, GRID_KEYS, ['parts'])
+    for k, part in enumerate(grid['parts']):
+        check_spec(f"{path}, part {k + 1}", part, PART_KEYS, ['configs', 'variants', 'seeds'])
+    return grid
+
+
+def check_spec(where, spec, keys, required):
+    """Exit with one line unless spec is an object with the required keys and no others, each valid."""
+    if not isinstance(spec, dict):
+        sys.exit(f"error: {where}: expected an object with the keys {', '.join(keys)}")
+    for key in [*spec, *required]:
+        if key not in keys:
+            sys.exit(f"error: {where}: unknown key {key!r}; the keys are {', '.join(keys)}")
+        if key not in spec:
+            sys.exit(f"error: {where}: {key!r} is missing")
+        valid, wanted = keys[key]
+        if not valid(spec[key]):
+            sys.exit(f"error: {where}: {key} must be {wanted}, got {spec[key]!r}")
+
+
+GRIDS = {name.removesuffix('.grid.json'): read_grid(os.path.join(ROOT, 'config', name))
+         for name in sorted(os.listdir(os.path.join(ROOT, 'config'))) if name.endswith('.grid.json')}
 
 
 def arg_name(arg):
@@ -141,22 +97,33 @@ def arg_name(arg):
     return value if key == 'residual' else f'{key}{value}'
 
 
+def every_method(variant):
+    """A variant's runs: itself, or with --residual=* one for each registered method."""
+    if EVERY_METHOD not in variant:
+        return [variant]
+    return [[f'--residual={name}' if arg == EVERY_METHOD else arg for arg in variant] for name in RESIDUALS]
+
+
 def runs_of(grid, runs_dir):
-    """A grid's runs in order: a grid is one product of configs x variants x seeds, or a list of them
-    (none for a grid GRIDS does not know: one given on the command line, reported from its files)."""
-    parts = GRIDS.get(grid, [])
-    for product in parts if isinstance(parts, list) else [parts]:
-        yield from product_runs(grid, product, runs_dir)
+    """A grid's runs in order, part by part (none for a grid GRIDS does not know: one given on the
+    command line, reported from its files)."""
+    for part in GRIDS.get(grid, {}).get('parts', []):
+        yield from part_runs(grid, part, runs_dir)
 
 
-def product_runs(grid, product, runs_dir):
-    for config in product['configs']:
-        for variant in product['variants']:
-            for seed in product['seeds']:
-                group, method = '-'.join(map(arg_name, config)), '-'.join(map(arg_name, variant))
-                out_dir = os.path.join(runs_dir, grid, f'{group}-{method}-seed{seed}')
-                yield dict(grid=grid, group=group, method=method, seed=seed, out_dir=out_dir,
-                           args=[*config, *variant, f'--seed={seed}', f'--out_dir={out_dir}'])
+def part_runs(grid, part, runs_dir):
+    """A part's runs: config by config, variant by variant, seed by seed (with seed_by_seed, seed by
+    seed first)."""
+    configs = [config.split() for config in part['configs']]
+    variants = [run for variant in part['variants'] for run in every_method(variant.split())]
+    for seeds in [[seed] for seed in part['seeds']] if part.get('seed_by_seed') else [part['seeds']]:
+        for config in configs:
+            for variant in variants:
+                for seed in seeds:
+                    group, method = '-'.join(map(arg_name, config)), '-'.join(map(arg_name, variant))
+                    out_dir = os.path.join(runs_dir, grid, f'{group}-{method}-seed{seed}')
+                    yield dict(grid=grid, group=group, method=method, seed=seed, out_dir=out_dir,
+                               args=[*config, *variant, f'--seed={seed}', f'--out_dir={out_dir}'])
 
 
 def read_log(out_dir):
@@ -370,10 +337,11 @@ def verdict(mean, half):
     return 'unresolved' if abs(mean) <= half else ('lower' if mean < 0 else 'higher')
 
 
-def report(grid, runs_dir, results_dir, references=REFERENCES):
+def report(grid, runs_dir, results_dir, references=None):
     """Collect the finished runs under runs_dir (if any), then write results_dir/GRID/results.md and
     results.png (with matplotlib) from the result files, every method paired with each of the
-    references; return the markdown."""
+    references (the grid's where none are given); return the markdown."""
+    references = references or references_of(grid)
     for run in runs_of(grid, runs_dir):
         collect(run, results_dir)
     everything = load_results(grid, results_dir)
@@ -424,6 +392,10 @@ def report(grid, runs_dir, results_dir, references=REFERENCES):
         f.write(markdown)
     plot(results, rows, os.path.join(out, 'results.png'), references)
     return markdown
+
+
+def references_of(grid):
+    return tuple(GRIDS.get(grid, {}).get('references', REFERENCES))
 
 
 def unfinished(grid, results):
@@ -532,7 +504,7 @@ def plot(results, rows, path, references=REFERENCES):
 def grid_from_command_line(opts):
     """A grid given as --configs, --variants (each a ';'-separated list of train.py arguments) and
     --seeds (comma-separated), every run's command line checked first (check_arguments)."""
-    split = lambda text: [part.split() for part in text.split(';') if part.strip()]
+    split = lambda text: [part.strip() for part in text.split(';') if part.strip()]
     configs, variants = split(opts['configs']), split(opts['variants'])
     try:
         seeds = [int(seed) for seed in opts['seeds'].split(',')]
@@ -542,12 +514,12 @@ def grid_from_command_line(opts):
         sys.exit("error: a grid on the command line needs --configs and --variants (train.py arguments, ';' between "
                  "entries) and --seeds (e.g. 0,1,2)")
     for config in configs:
-        for variant in variants:
+        for variant in [run for variant in variants for run in every_method(variant.split())]:
             try:
-                check_arguments([*config, *variant])
+                check_arguments([*config.split(), *variant])
             except SystemExit as e:
-                sys.exit(f"{e.code} (in the run {' '.join([*config, *variant])!r})")
-    return dict(configs=configs, variants=variants, seeds=seeds)
+                sys.exit(f"{e.code} (in the run {' '.join([config, *variant])!r})")
+    return dict(parts=[dict(configs=configs, variants=variants, seeds=seeds)])
 
 
 def train_defaults():
@@ -576,7 +548,7 @@ def main(argv):
              f"[--references=prenorm,block_attnres,...]; "
              f"GRID: {', '.join(GRIDS)}, or a new name with --configs=... --variants=... [--seeds=0,1,2]")
     opts = dict(jobs='1', runs_dir='runs', results_dir=os.path.join(ROOT, 'results'), configs='', variants='', seeds='0',
-                references=','.join(REFERENCES))
+                references='')
     flags, grids = set(), []
     for arg in argv:
         key, eq, value = arg.removeprefix('--').partition('=')
@@ -596,12 +568,13 @@ def main(argv):
     grid = grids[0]
     if opts['variants'] or opts['configs']:
         if grid in GRIDS:
-            sys.exit(f"error: {grid} is a grid of sweep.py already; name the one you give on the command line otherwise")
+            sys.exit(f"error: config/{grid}.grid.json is a grid already; name the one you give on the command line "
+                     f"otherwise")
         GRIDS[grid] = grid_from_command_line(opts)
     elif grid not in GRIDS and not ('report' in flags and os.path.isdir(os.path.join(opts['results_dir'], grid))):
         sys.exit(f"error: no grid {grid!r}: name one of {', '.join(GRIDS)}, or give a new one with --configs and "
                  f"--variants (with --report alone: the results in {os.path.join(opts['results_dir'], grid)})")
-    runs, references = list(runs_of(grid, opts['runs_dir'])), tuple(opts['references'].split(','))
+    runs, references = list(runs_of(grid, opts['runs_dir'])), tuple(filter(None, opts['references'].split(',')))
     if 'print' in flags:
         for run in runs:
             if state(run, opts['results_dir']) != 'done':

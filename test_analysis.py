@@ -189,9 +189,8 @@ def test_seeds_for_a_half_width_follow_student_t():
 def test_sweep_runs_a_grid_skips_finished_runs_resumes_interrupted_ones_and_reports(tmp_path, data_dir, monkeypatch):
     tiny = ['--dataset=pydoc', f'--data_dir={data_dir}', '--max_iters=4', '--eval_interval=2', '--n_layer=1',
             *TINY_TRAIN]
-    monkeypatch.setitem(sweep.GRIDS, 'tiny', dict(configs=[tiny], variants=[['--residual=prenorm'],
-                                                                            ['--residual=block_attnres']],
-                                                  seeds=[0, 1]))
+    monkeypatch.setitem(sweep.GRIDS, 'tiny', dict(parts=[dict(
+        configs=[' '.join(tiny)], variants=['--residual=prenorm', '--residual=block_attnres'], seeds=[0, 1])]))
     runs_dir, results_dir = str(tmp_path / 'runs'), str(tmp_path / 'results')
     runs = list(sweep.runs_of('tiny', runs_dir))
     assert len(runs) == 4 and len({r['out_dir'] for r in runs}) == 4
@@ -248,8 +247,8 @@ def test_the_depth_panel_plots_final_loss_against_the_number_in_each_config_name
 def test_sweep_report_at_equal_train_time(tmp_path, monkeypatch):
     """With the grid's bench.json, the report adds each method's loss at prenorm's train time and its
     time to prenorm's final loss, from the committed curves (values worked out by hand here)."""
-    monkeypatch.setitem(sweep.GRIDS, 'fake', dict(configs=[['c.py']], variants=[[f'--residual={m}'] for m in
-                                                                              ('prenorm', 'wav', 'hc')], seeds=[0, 1]))
+    monkeypatch.setitem(sweep.GRIDS, 'fake', dict(parts=[dict(
+        configs=['c.py'], variants=['--residual=prenorm', '--residual=wav', '--residual=hc'], seeds=[0, 1])]))
     folder = tmp_path / 'results' / 'fake'
     folder.mkdir(parents=True)
     curves = {('prenorm', 0): [3.0, 2.0, 1.0], ('prenorm', 1): [3.0, 2.0, 1.0], ('wav', 0): [3.0, 1.5, 0.8],
@@ -294,9 +293,9 @@ def test_activations_of_silent_sublayers_are_the_embedding_at_every_depth():
 def test_a_grid_of_several_products_runs_in_their_order_and_pairs_over_the_seeds_both_have(tmp_path, monkeypatch):
     """A grid may extend some methods' seeds: its runs come part by part, and a method with more seeds
     than its reference is paired over the seeds both have, which the report says."""
-    monkeypatch.setitem(sweep.GRIDS, 'fake', [
-        dict(configs=[['c.py']], variants=[['--residual=prenorm'], ['--residual=wav']], seeds=[0, 1, 2]),
-        dict(configs=[['c.py']], variants=[['--residual=wav']], seeds=[3, 4])])
+    monkeypatch.setitem(sweep.GRIDS, 'fake', dict(parts=[
+        dict(configs=['c.py'], variants=['--residual=prenorm', '--residual=wav'], seeds=[0, 1, 2]),
+        dict(configs=['c.py'], variants=['--residual=wav'], seeds=[3, 4])]))
     runs = list(sweep.runs_of('fake', str(tmp_path / 'runs')))
     assert [(r['method'], r['seed']) for r in runs] == [('prenorm', s) for s in range(3)] + [('wav', s) for s in range(5)]
     folder = tmp_path / 'results' / 'fake'
@@ -339,6 +338,34 @@ def test_a_grid_on_the_command_line_reports_its_diverged_runs_and_the_methods_no
     del sweep.GRIDS['mine']
     sweep.main(['mine', '--report', *dirs, *spec[:2], spec[2] + '; --residual=laurel_rw'])  # one more method
     assert 'Not run yet (no result file): laurel_rw (tiny).' in (folder / 'results.md').read_text()
+
+
+def test_the_grids_that_take_every_registered_method_are_those_contributing_names(monkeypatch):
+    """A variant --residual=* in a grid file is one run for each registered method, in the registry's
+    order, so that a method registered later joins the grid; CONTRIBUTING.md names those grids."""
+    every = [grid for grid, spec in sweep.GRIDS.items()
+             if any(sweep.EVERY_METHOD in variant.split() for part in spec['parts'] for variant in part['variants'])]
+    assert every
+    contributing = ' '.join((Path(sweep.ROOT) / 'CONTRIBUTING.md').read_text().split())
+    assert all(f'`{grid}`' in contributing for grid in every) and '--residual=*' in contributing
+    monkeypatch.setitem(sweep.RESIDUALS, 'newcomer', object)
+    methods = [run['method'] for run in sweep.runs_of('cpu_methods', 'runs') if run['seed'] == 0]
+    assert methods == list(sweep.RESIDUALS)
+
+
+def test_a_grid_file_is_checked_as_it_is_read(tmp_path):
+    """A misspelt key, a missing one or a value of the wrong kind would change a grid's runs silently:
+    each is refused with one line that names the file, the part and the key."""
+    path = tmp_path / 'mine.grid.json'
+    part = dict(configs=['c.py'], variants=['--residual=prenorm'], seeds=[0])
+    path.write_text(json.dumps(dict(parts=[part])))
+    assert sweep.read_grid(str(path)) == dict(parts=[part])
+    for grid, expected in [(dict(parts=[dict(part, seeds_by_seed=True)]), "part 1: unknown key 'seeds_by_seed'"),
+                           (dict(parts=[dict(configs=['c.py'], seeds=[0])]), "part 1: 'variants' is missing"),
+                           (dict(parts=[dict(part, seeds=[-1])]), 'part 1: seeds must be a list of integers from 0'),
+                           (dict(references='prenorm', parts=[part]), 'references must be a list of strings')]:
+        path.write_text(json.dumps(grid))
+        assert expected in exit_message(sweep.read_grid, str(path))
 
 
 def test_sweep_checks_a_grids_command_lines_with_train_pys_keys_without_importing_it(tmp_path):
