@@ -3,7 +3,7 @@ Run a grid of experiments over seeds, keep each run's result, and compare the me
 
     python sweep.py cpu_methods --jobs=2      # run (skips runs with a result file, resumes interrupted ones)
     python sweep.py cpu_methods --report      # table and plot from results/cpu_methods/*.json, no training
-    python sweep.py cpu_study --report --references=prenorm,block_attnres,mhc_lite   # paired with these
+    python sweep.py cpu_depth --report --references=prenorm,mudd   # paired with these: results.prenorm-mudd.md
     python sweep.py char --print              # the commands, one per line, for a cluster scheduler
     python sweep.py mine --configs=config/cpu_study.py --seeds=0,1,2 \
         --variants="--residual=prenorm; --residual=hc --hc_streams=8"   # a grid given here: results/mine/
@@ -18,6 +18,11 @@ a method registered later joins the grid. Each run is `python train.py CONFIG...
 --out_dir=RUNS/GRID/NAME` (RUNS = --runs_dir, default runs/). When a run has finished, its final
 metrics, validation curve and wall time go to RESULTS/GRID/NAME.json (--results_dir, default
 results/): small files to commit, from which --report rebuilds the table and the plot.
+
+The report is RESULTS/GRID/results.md and results.png when it is the grid's own, the one committed:
+at the grid's references, with a row for each of its configs and methods. Any other goes beside it,
+named for what differs (results.prenorm-mudd.md for other references, results.unfinished.md where a
+method has no run yet, e.g. one registered since), and the committed one stays as it was.
 
 The comparison is paired. Runs of different methods with the same seed share the initial weights
 of the shared modules and the data order, so for each method and config the report takes, seed by
@@ -338,9 +343,9 @@ def verdict(mean, half):
 
 
 def report(grid, runs_dir, results_dir, references=None):
-    """Collect the finished runs under runs_dir (if any), then write results_dir/GRID/results.md and
-    results.png (with matplotlib) from the result files, every method paired with each of the
-    references (the grid's where none are given); return the markdown."""
+    """Collect the finished runs under runs_dir (if any), then write the report (report_name) from the
+    result files, a table and a plot (with matplotlib), every method paired with each of the references
+    (the grid's where none are given); return the markdown."""
     references = references or references_of(grid)
     for run in runs_of(grid, runs_dir):
         collect(run, results_dir)
@@ -348,6 +353,7 @@ def report(grid, runs_dir, results_dir, references=None):
     if not everything:
         sys.exit(f"error: no results in {os.path.join(results_dir, grid)}; run `python sweep.py {grid}` first")
     results = [r for r in everything if r['final'] is not None]  # the diverged ones are listed, not compared
+    missing = not_run(grid, everything)
     rows = comparisons(results, references)
     ratios = step_ratios(grid, results_dir)
     timed = equal_time(results, ratios) if ratios else {}
@@ -381,16 +387,17 @@ def report(grid, runs_dir, results_dir, references=None):
             "over seeds of (method - reference) with the half-width of its 95% confidence interval (Student t); "
             "'lower' or 'higher' where the interval excludes zero, 'unresolved' where it does not."
             + (f" {len(walls)} runs, {sum(walls) / 3600:.2f} hours of run time in all." if walls else '')
-            + ' ' + resolution(rows) + unfinished(grid, everything)
+            + ' ' + resolution(rows) + unfinished(everything, missing)
             + (" Equal time (bench.json): each method's train-step time x prenorm's; the loss its run had reached "
                "at prenorm's total train time, paired with prenorm's final loss ('-' where its run ended first); "
                "the train time it took to reach prenorm's final loss, x prenorm's ('-' where a seed never did)."
                if ratios else '') + '\n')
     markdown = '\n'.join(lines) + '\n' + note
-    out = os.path.join(results_dir, grid)
-    with open(os.path.join(out, 'results.md'), 'w') as f:
+    path = os.path.join(results_dir, grid, report_name(grid, references, missing))
+    with open(path + '.md', 'w') as f:
         f.write(markdown)
-    plot(results, rows, os.path.join(out, 'results.png'), references)
+    print(f"wrote {path}.md", file=sys.stderr)
+    plot(results, rows, path + '.png', references)
     return markdown
 
 
@@ -398,15 +405,27 @@ def references_of(grid):
     return tuple(GRIDS.get(grid, {}).get('references', REFERENCES))
 
 
-def unfinished(grid, results):
+def report_name(grid, references, missing):
+    """'results' for the grid's own report, the one committed: at its references, with a row for each
+    of its (config, method) pairs. Any other is named for what differs (results.prenorm-mudd for other
+    references, results.unfinished where a method has no run yet), so that it never overwrites it."""
+    own = tuple(references) == references_of(grid)
+    return 'results' + ('' if own else '.' + '-'.join(references)) + ('.unfinished' if missing else '')
+
+
+def not_run(grid, results):
+    """The grid's (config, method) pairs with no result file yet, as 'method (config)' (none where a
+    grid was given on the command line without its spec)."""
+    have = {(r['group'], r['method']) for r in results}
+    return list(dict.fromkeys(f"{run['method']} ({run['group']})" for run in runs_of(grid, 'runs')
+                              if (run['group'], run['method']) not in have))
+
+
+def unfinished(results, missing):
     """The sentences on what the report leaves out: runs that diverged (a loss that was not finite),
-    and the grid's (config, method) pairs with no result file yet (none where a grid was given on the
-    command line without its spec)."""
+    and the (config, method) pairs with no result file yet."""
     diverged = [f"{r['method']} ({r['group']}, seed {r['seed']}, at iter {r['diverged_at']})"
                 for r in results if r['final'] is None]
-    have = {(r['group'], r['method']) for r in results}
-    missing = list(dict.fromkeys(f"{run['method']} ({run['group']})" for run in runs_of(grid, 'runs')
-                                 if (run['group'], run['method']) not in have)) if grid in GRIDS else []
     return ((f" Diverged, left out of the comparisons: {'; '.join(diverged)}." if diverged else '')
             + (f" Not run yet (no result file): {'; '.join(missing)}." if missing else ''))
 

@@ -319,7 +319,8 @@ def test_a_grid_on_the_command_line_reports_its_diverged_runs_and_the_methods_no
                                                                                       monkeypatch):
     """sweep.py NAME --configs --variants --seeds runs a grid that GRIDS does not hold (its runs'
     command lines checked against train.py's keys first); a run whose loss stops being finite is kept
-    as diverged and named in the report, not left out; a method with no result file yet is named too."""
+    as diverged and named in the report, not left out; a method with no result file yet is named too,
+    in a report beside the grid's own."""
     monkeypatch.setattr(sweep, 'GRIDS', dict(sweep.GRIDS))  # what the command line adds stays in this test
     config = tmp_path / 'tiny.py'
     config.write_text(f"dataset = 'pydoc'\ndata_dir = {data_dir!r}\nmax_iters = 6\neval_interval = 2\nn_layer = 1\n"
@@ -337,7 +338,37 @@ def test_a_grid_on_the_command_line_reports_its_diverged_runs_and_the_methods_no
     assert 'Diverged, left out of the comparisons: hc-hc_streams2-learning_rate1e12' in markdown
     del sweep.GRIDS['mine']
     sweep.main(['mine', '--report', *dirs, *spec[:2], spec[2] + '; --residual=laurel_rw'])  # one more method
-    assert 'Not run yet (no result file): laurel_rw (tiny).' in (folder / 'results.md').read_text()
+    assert 'Not run yet (no result file): laurel_rw (tiny).' in (folder / 'results.unfinished.md').read_text()
+    assert (folder / 'results.md').read_text() == markdown
+
+
+def test_a_report_other_than_the_grids_own_goes_beside_it(tmp_path, monkeypatch):
+    """results.md is the grid's own report, the one committed: at its references, with a row for each of
+    its methods. A report with other references, or one made after a method was registered (it has no
+    runs yet), goes beside it, named for what differs, and leaves results.md as it was."""
+    monkeypatch.setitem(sweep.GRIDS, 'fake', dict(references=['prenorm', 'wav'], parts=[
+        dict(configs=['c.py'], variants=['--residual=*'], seeds=[0, 1])]))
+    folder = tmp_path / 'results' / 'fake'
+    folder.mkdir(parents=True)
+    for k, method in enumerate(sweep.RESIDUALS):
+        for seed in (0, 1):
+            loss = 2.0 + 0.01 * k + 0.001 * seed
+            result = dict(grid='fake', group='c', method=method, seed=seed, args=[], wall_s=1.0,
+                          final={'iter': 100, 'val_loss': loss}, curve={'0': 3.0, '100': loss})
+            (folder / f'c-{method}-seed{seed}.json').write_text(json.dumps(result))
+    plots = []
+    monkeypatch.setattr(sweep, 'plot', lambda results, rows, path, references: plots.append(Path(path).name))
+    report = lambda *references: sweep.report('fake', str(tmp_path / 'runs'), str(tmp_path / 'results'), references)
+    own = report()
+    assert (folder / 'results.md').read_text() == own and '| vs wav:' in own and report('prenorm', 'wav') == own
+    other = report('prenorm', 'mudd')
+    assert (folder / 'results.prenorm-mudd.md').read_text() == other and '| vs mudd:' in other
+    monkeypatch.setitem(sweep.RESIDUALS, 'newcomer', object)  # registered: it joins the grid, with no runs yet
+    unfinished = report()
+    assert 'Not run yet (no result file): newcomer (c).' in unfinished
+    assert (folder / 'results.unfinished.md').read_text() == unfinished
+    assert (folder / 'results.md').read_text() == own
+    assert plots == ['results.png', 'results.png', 'results.prenorm-mudd.png', 'results.unfinished.png']
 
 
 def test_the_grids_that_take_every_registered_method_are_those_contributing_names(monkeypatch):
