@@ -29,7 +29,11 @@ How it watches: each routing computation of residuals.py is a call of a small su
 DepthAttention read, HC's and Frac's connections, the mHC family's coefficients, MGR's AttnPool and
 gates), picked by its class, so a forward hook sees its inputs and outputs; a depth read's weights are recomputed from its inputs
 with DepthAttention.weights. DenseFormer's DWA and MUDD's weight generator are submodules too.
+WATCHERS maps each kind of routing submodule to what is recorded of it: a new method's own kind of
+submodule gets its diagnostic there, and it appears in analysis.json under its own key.
 """
+import collections
+import functools
 import json
 import math
 import os
@@ -55,8 +59,9 @@ def record(model, idx):
     sublayer's input and, per routing submodule call in order: the depth reads (reader index, mean
     weights per source, number of detail sources), the streams each sublayer reads (n, B, T, C),
     the stream-mixing matrices (hc: A_r^T, mhc_lite: H_res; (B, T, n, n)), MGR's gates (n, B, T) and
-    MUDD's mean weights per way and state. DenseFormer's averages and MUDD's residual way count as reads."""
-    rec = {'inputs': [], 'reads': [], 'streams': [], 'mixing': [], 'gates': [], 'dense': []}
+    MUDD's mean weights per way and state. DenseFormer's averages and MUDD's residual way count as reads.
+    A watcher added to WATCHERS records under keys of its own."""
+    rec = collections.defaultdict(list)  # the keys of RECORDED, and those of new watchers
     hooks = watch(model, rec)
     backend = model.kernels
     model.set_kernels('reference')
@@ -70,9 +75,49 @@ def record(model, idx):
     return rec
 
 
+def on_connections(rec, residual, module, args, output):
+    # hc: [A_m | A_r], B, of the streams H (B, T, n, C); frac: [Gamma | A]
+    i, H = args
+    if isinstance(residual, HyperConnections):  # (a frac's rows are fractions, not streams)
+        rec['streams'].append(H.detach().movedim(-2, 0))
+    n = H.shape[-2]  # the mixing of the rows: A_r (hc), A (frac), the last n columns
+    rec['mixing'].append(output[0][..., -n:].transpose(-1, -2).detach().expand(*H.shape[:-2], -1, -1))
+
+
+def on_coefficients(rec, residual, module, args, output):  # the mHC family: H_pre, H_post, H_res of the streams x
+    i, x = args
+    rec['streams'].append(x.detach().movedim(-2, 0))
+    rec['mixing'].append(output[2].detach())
+
+
+def on_average(rec, residual, module, args, output):  # DenseFormer: row r of alpha over the states X_0..X_r
+    r, states = args
+    rec['reads'].append({'reader': r - 1, 'weights': module.alpha[r - 1, :r + 1].tolist(), 'details': 0})
+
+
+def on_dense(rec, residual, module, args, w):  # MUDD: w (ways, B, T, i+2); the residual way is the last
+    i, newest = args
+    means = w.float().mean(dim=(1, 2)).tolist()
+    rec['dense'].append(means)
+    rec['reads'].append({'reader': i, 'weights': means[-1], 'details': 0})
+
+
+def on_gates(rec, residual, module, args, beta):  # MGR: the gates (n, B, T)
+    rec['gates'].append(beta.detach())
+
+
+# A routing submodule's diagnostic, by its class (subclasses too): called as watcher(rec, residual,
+# module, args, output) after each of its forwards. A new kind of submodule gets its own with a line
+# here; what it appends to rec under a key of its own (numbers, or lists of them) is reported under
+# that key in analysis.json. Depth reads (DepthAttention) are watched in watch(), in every method.
+WATCHERS = {DepthWeightedAverage: on_average, DynamicDenseWeights: on_dense, HCConnections: on_connections,
+            ManifoldCoefficients: on_coefficients, StreamGates: on_gates}
+RECORDED = ('inputs', 'reads', 'streams', 'mixing', 'gates', 'dense')  # turned into numbers by analyze()
+
+
 def watch(model, rec):
-    """The forward hooks that fill rec (see record) on the sublayers and the routing submodules;
-    returns their handles."""
+    """The forward hooks that fill rec (see record) on the sublayers, the depth reads and the routing
+    submodules of WATCHERS; returns their handles."""
     residual, hooks = model.residual, []
 
     def on_read(module, args, kwargs, output):
@@ -85,39 +130,15 @@ def watch(model, rec):
         if i < model.config.n_layer * 2:
             rec['streams'].append(streams.detach())
 
-    def on_connections(module, args, output):  # hc: [A_m | A_r], B, of the streams H (B, T, n, C); frac: [Gamma | A]
-        i, H = args
-        if isinstance(residual, HyperConnections):  # (a frac's rows are fractions, not streams)
-            rec['streams'].append(H.detach().movedim(-2, 0))
-        n = H.shape[-2]  # the mixing of the rows: A_r (hc), A (frac), the last n columns
-        rec['mixing'].append(output[0][..., -n:].transpose(-1, -2).detach().expand(*H.shape[:-2], -1, -1))
-
-    def on_coefficients(module, args, output):  # the mHC family: H_pre, H_post, H_res; the streams x
-        i, x = args
-        rec['streams'].append(x.detach().movedim(-2, 0))
-        rec['mixing'].append(output[2].detach())
-
-    def on_average(module, args, output):  # DenseFormer: row r of alpha over the states X_0..X_r
-        r, states = args
-        rec['reads'].append({'reader': r - 1, 'weights': module.alpha[r - 1, :r + 1].tolist(), 'details': 0})
-
-    def on_dense(module, args, w):  # MUDD: w (ways, B, T, i+2); the residual way is the last
-        i, newest = args
-        means = w.float().mean(dim=(1, 2)).tolist()
-        rec['dense'].append(means)
-        rec['reads'].append({'reader': i, 'weights': means[-1], 'details': 0})
-
     for f in model.sublayers():
         hooks.append(f.register_forward_pre_hook(lambda module, args: rec['inputs'].append(args[0].detach())))
-    on_gates = lambda module, args, beta: rec['gates'].append(beta.detach())
-    watchers = [(DepthWeightedAverage, on_average), (DynamicDenseWeights, on_dense), (HCConnections, on_connections),
-                (ManifoldCoefficients, on_coefficients), (StreamGates, on_gates)]  # by the submodule's class
     for module in residual.modules():
         if isinstance(module, DepthAttention):  # a depth read, or MGR's AttnPool
             pooled = isinstance(residual, MultiGateResiduals) and module is residual.pool
             hooks.append(module.register_forward_hook(on_pool) if pooled else
                          module.register_forward_hook(on_read, with_kwargs=True))
-        hooks += [module.register_forward_hook(hook) for cls, hook in watchers if isinstance(module, cls)]
+        hooks += [module.register_forward_hook(functools.partial(watcher, rec, residual))
+                  for cls, watcher in WATCHERS.items() if isinstance(module, cls)]
     return hooks
 
 
@@ -204,6 +225,7 @@ def analyze(path, n_sequences, budget):
         result['composite_gain'] = composite_gain(rec['mixing'])
     if rec['gates']:
         result['gates'] = [beta.float().mean(dim=(1, 2)).tolist() for beta in rec['gates']]
+    result.update({key: values for key, values in rec.items() if key not in RECORDED and values})
     run = ckpt['config']  # the run's own evaluation: its tokens, in its batches
     result['pruning'] = pruning(model, val, T, budget or run['eval_tokens'], run['batch_size'])
     return result

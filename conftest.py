@@ -17,13 +17,15 @@ import pytest
 import torch
 
 # The Triton kernels' tests run them compiled on CUDA tensors where there is a GPU; without one,
-# on CPU tensors through Triton's interpreter, chosen before triton is imported (by kernels.py).
+# on CPU tensors through Triton's interpreter, chosen before triton is imported (by the kernels package).
 KERNEL_DEVICE = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
 if KERNEL_DEVICE.type == 'cpu':
     os.environ.setdefault('TRITON_INTERPRET', '1')
 
 import data  # noqa: E402  (after the interpreter switch above)
 import kernels  # noqa: E402
+from kernels import dense, depth_mix, mgr, stream_kernels  # noqa: E402
+from kernels.common import next_pow2  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from residuals import RESIDUALS  # noqa: E402
 
@@ -62,7 +64,7 @@ needs_triton = pytest.mark.skipif(kernels.triton is None, reason='triton is not 
 # every way to run the routing on CPU tensors: the classes as written, their PyTorch twins, and the
 # Triton kernels through the interpreter (on a GPU machine the kernels' own tests run them compiled)
 TRITON_MARKS = [needs_triton, pytest.mark.skipif(KERNEL_DEVICE.type == 'cuda',
-                                                 reason="CPU tensors; with a GPU, test_kernels.py runs the kernels compiled")]
+                                                 reason="CPU tensors; with a GPU, test_kernels*.py run the kernels compiled")]
 BACKENDS = ['reference', 'torch', pytest.param('triton', marks=TRITON_MARKS)]
 
 
@@ -117,6 +119,80 @@ def rel_rms(got, want):
     """RMS of the difference over the RMS of `want` (the plain RMS where `want` is all zero)."""
     diff, scale = (got.double() - want.double()).pow(2).mean().sqrt(), want.double().pow(2).mean().sqrt()
     return (diff / scale if scale > 0 else diff).item()
+
+
+# the kernels' tests, family by family (test_kernels*.py)
+
+STREAM_VARIANTS = [('hc', {}), ('hc', {'hc_dynamic': False}), ('mhc_lite', {}), ('mhc_lite', {'hc_streams': 3}),
+                   ('mhc', {}), ('kromhc', {'hc_streams': 8})]  # (mhc, kromhc: the PyTorch twin on every backend)
+
+
+def two_backwards(residual, backend='torch', n_layer=3, **knobs):
+    """The parameters' gradients of two backwards through one retained graph (random routing)."""
+    model = tiny_model(residual, n_layer=n_layer, **knobs)
+    randomize_routing(model)
+    model.set_kernels(backend)
+    idx = torch.randint(27, (2, 8) if backend != 'triton' else (1, 4), generator=torch.Generator().manual_seed(0))
+    _, loss = model(idx, idx)
+    grads = []
+    for _ in range(2):
+        loss.backward(retain_graph=True)
+        grads.append([p.grad.clone() for p in model.parameters()])
+        model.zero_grad()
+    return grads
+
+
+def assert_compiled_matches_eager(model, idx, backend):
+    """torch.compile(fullgraph=True) traces the model (a graph break fails) and gives eager's loss and gradients."""
+    results = []
+    for run in (model, torch.compile(model, fullgraph=True, backend=backend)):
+        _, loss = run(idx, idx)
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+        model.zero_grad()
+    assert torch.allclose(results[0][0], results[1][0], atol=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(results[0][1], results[1][1]))
+
+
+def bfloat16_errors(residual, twin='torch', **overrides):
+    """The gradients (all parameters together) under CPU bfloat16 autocast of the twin (the PyTorch one,
+    or kernels=triton) and of the reference, each as relative RMS from the reference's in float32 (a
+    batch of 2 x 16 tokens)."""
+    idx = torch.randint(27, (2, 16), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for backend, bf16 in [('reference', False), ('reference', True), (twin, True)]:
+        model = tiny_model(residual, **overrides)
+        randomize_routing(model)
+        model.set_kernels(backend)
+        with torch.autocast('cpu', dtype=torch.bfloat16, enabled=bf16):
+            _, loss = model(idx, idx)
+        loss.backward()
+        results[backend, bf16] = torch.cat([p.grad.flatten() for p in model.parameters()])
+    want = results['reference', False]
+    return rel_rms(results[twin, True], want), rel_rms(results['reference', True], want)
+
+
+def routing_run(residual, knobs, n_layer, backend, dtype=torch.float64, inner=None):
+    """Output and the gradients of e and of every routing parameter (or, with inner = k, of the input
+    of sublayer k) on random routing and random sublayers that use every input they get."""
+    torch.manual_seed(0)  # MUDD's W1 init draws from the global generator
+    gen = torch.Generator().manual_seed(0)
+    router = routing(residual, n_layer, C=24, **knobs)
+    randomize_routing(router)
+    router.to(dtype)
+    weights = [torch.randn(3, 24, 24, generator=gen, dtype=dtype) * 24 ** -0.5 for _ in range(2 * n_layer)]
+    inputs = []
+
+    def sublayer(W):
+        def f(h, h_k=None, h_v=None):
+            inputs.append(h)
+            return 3 * torch.tanh(h @ W[0] + (h if h_k is None else h_k) @ W[1] + (h if h_v is None else h_v) @ W[2])
+        return f
+    e = torch.randn(2, 5, 24, generator=gen, dtype=dtype).requires_grad_()
+    out = kernels.route(router, e, [sublayer(W) for W in weights], backend)
+    probe = torch.randn(out.shape, generator=gen, dtype=dtype)
+    loss = (out * probe).sum() if inner is None else inputs[inner].pow(2).sum()
+    return [out, *torch.autograd.grad(loss, [e, *router.parameters()], allow_unused=inner is not None)]
 
 
 def unigram_entropy(tokens):
@@ -176,9 +252,13 @@ def few_programs(monkeypatch):
     """Tiles of at most 4 tokens in every tiled kernel, so that a call on a few tokens spans several
     tiles, the last one part-filled, and at most 2 programs in the reducing backward kernels, so that
     each program loops over several tiles and writes a partial sum (on a GPU: up to 512 programs)."""
-    monkeypatch.setattr(kernels, 'reduction_programs', lambda n_tiles: min(n_tiles, 2))
-    monkeypatch.setattr(kernels, 'token_tile', lambda m, C, N: min(4, kernels.next_pow2(N)))
-    monkeypatch.setattr(kernels, 'stream_tile', lambda n, C, n_perm, N: min(4, kernels.next_pow2(N)))
+    few = {'reduction_programs': lambda n_tiles: min(n_tiles, 2),
+           'token_tile': lambda m, C, N: min(4, next_pow2(N)),
+           'stream_tile': lambda n, C, n_perm, N: min(4, next_pow2(N))}
+    for family in (depth_mix, stream_kernels, mgr, dense):  # the files whose launchers call them
+        for name, tile in few.items():
+            if hasattr(family, name):
+                monkeypatch.setattr(family, name, tile)
 
 
 @pytest.fixture(autouse=True)

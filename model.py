@@ -3,7 +3,7 @@ A nanoGPT-style decoder-only transformer whose residual stream is pluggable.
 
 The transformer layers provide 2*n_layer sublayers (attention, MLP, attention, ...), each a module
 that applies its own pre-norm; the residual class chosen by `config.residual` (see residuals.py)
-owns the loop over them, and kernels.py may run the same maths faster (`GPT.set_kernels`). Every
+owns the loop over them, and the kernels package may run the same maths faster (`GPT.set_kernels`). Every
 method shares these attention/MLP modules and their init, so comparing two methods changes the
 residual routing alone. Checkpoints are written and read here too.
 """
@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 import kernels
-from residuals import RESIDUALS, MultiGateResiduals
+from residuals import RESIDUALS
 
 
 COMPILE_SCOPES = ('model', 'sublayers')  # of GPT.compiled
@@ -83,12 +83,34 @@ class GPTConfig:
         if self.residual == 'kromhc' and self.hc_streams & (self.hc_streams - 1):
             raise ValueError(f"kromhc builds H_res from 2 x 2 factors: hc_streams={self.hc_streams} must be a "
                              f"power of 2 (1, 2, 4, 8, ...)")
+        if self.residual == 'mhc_lite' and self.hc_streams > 6:
+            raise ValueError(f"mhc_lite sums over all n! permutation matrices: hc_streams={self.hc_streams} would "
+                             f"need {math.factorial(self.hc_streams)}; use hc_streams <= 6")
+        if self.residual == 'mgr':
+            self.check_mgr_gates()
         if self.residual == 'frac' and self.n_embd % self.frac_parts:
             raise ValueError(f"frac_parts={self.frac_parts} must divide n_embd={self.n_embd}")
         if self.residual == 'laurel_lr' and self.laurel_rank > self.n_embd:
             raise ValueError(f"laurel_rank={self.laurel_rank} must be at most n_embd={self.n_embd}")
         if self.mudd_hidden < 0:
             raise ValueError(f"mudd_hidden must be >= 0 (0 = the official rule), got {self.mudd_hidden}")
+
+    def check_mgr_gates(self):
+        """MGR's first n - 1 sublayers start its streams, and the gates of the others start at
+        g = sigmoid(mgr_b_base) sqrt(mgr_L_base / gated), which must leave each stream a keep weight
+        (residuals.StreamGates)."""
+        n, L = self.mgr_streams, 2 * self.n_layer
+        if L - (n - 1) < 1:
+            raise ValueError(f"mgr with mgr_streams={n} needs more than {n - 1} sublayers to start its "
+                             f"streams; use n_layer >= {n // 2 + 1} or fewer streams")
+        n_gated = L - (n - 1)
+        g = torch.sigmoid(torch.tensor(self.mgr_b_base)).item() * math.sqrt(self.mgr_L_base / n_gated)
+        if self.mgr_gate == 'independent' and g >= 1:
+            raise ValueError(f"mgr: the initial gate sigmoid(mgr_b_base) sqrt(mgr_L_base / {n_gated}) = {g:.3f} "
+                             f"must be below 1; use a lower mgr_b_base or mgr_L_base")
+        if self.mgr_gate == 'competitive' and g * n >= 1:
+            raise ValueError(f"mgr: the initial gate {g:.3f} leaves no keep weight for {n} competing streams; "
+                             f"use more layers, fewer streams or a lower mgr_b_base")
 
 
 def method_knobs():
@@ -204,7 +226,7 @@ class GPT(nn.Module):
             if name.endswith('c_proj.weight'):  # GPT-2's scaled init of the residual projections
                 torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
         self.residual = residual_cls(config)
-        self.kernels = 'torch'  # see set_kernels
+        self.kernels, self.mgr_fallback_p = 'torch', kernels.MGR_FALLBACK_P  # see set_kernels
 
     def _init_weights(self, module):
         if isinstance(module, nn.Linear):
@@ -214,18 +236,15 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def set_kernels(self, name='auto', mgr_fallback_p=1):
-        """How the routing runs, not what it computes (kernels.py): 'reference' (the classes of
-        residuals.py as written), 'torch', 'triton', or 'auto' (triton on CUDA, else torch), for the
-        device the model is on now. mgr_fallback_p: MGR's fast backward rebuilds its streams by
+    def set_kernels(self, name='auto', mgr_fallback_p=kernels.MGR_FALLBACK_P):
+        """How the routing runs, not what it computes (the kernels package): 'reference' (the classes
+        of residuals.py as written), 'torch', 'triton', or 'auto' (triton on CUDA, else torch), for
+        the device the model is on now. mgr_fallback_p: MGR's fast backward rebuilds its streams by
         inverting the lerp, keeping the originals of the p largest gates per token; -1 keeps every
-        input instead (set on the MGR module, whose twin alone reads it: kernels.mgr). Returns the
+        input instead (kernels.route hands it to MGR's twin, the one that reads it). Returns the
         backend chosen."""
-        if mgr_fallback_p < -1:
-            raise ValueError(f"mgr_fallback_p must be -1 (no inversion) or >= 0, got {mgr_fallback_p}")
+        self.mgr_fallback_p = kernels.check_mgr_fallback_p(mgr_fallback_p)
         self.kernels = kernels.resolve(name, self.lm_head.weight.device.type)
-        if isinstance(self.residual, MultiGateResiduals):
-            self.residual.fallback_p = mgr_fallback_p
         return self.kernels
 
     def get_num_params(self, non_embedding=True):
@@ -272,7 +291,8 @@ class GPT(nn.Module):
             raise ValueError(f"sequence of length {past + T} is longer than block_size={self.config.block_size}")
         pos = torch.arange(past, past + T, dtype=torch.long, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
-        x = kernels.route(self.residual, x, self.sublayers(cache), self.kernels)  # residual(x, sublayers)
+        x = kernels.route(self.residual, x, self.sublayers(cache), self.kernels,  # residual(x, sublayers)
+                          self.mgr_fallback_p)
         if cache is not None:
             cache.length += T
         x = self.transformer.ln_f(x)
@@ -304,12 +324,7 @@ class GPT(nn.Module):
             config = GPTConfig(**ckpt['model_args'])
         except (TypeError, ValueError) as e:  # a method or a knob this version does not have
             raise CheckpointError(f"{path} holds a model this version of model.py cannot build: {e}")
-        model = cls(config)
-        try:
-            model.load_state_dict(ckpt['model'])
-        except RuntimeError as e:
-            raise CheckpointError(f"{path} does not fit this version of model.py ({str(e).splitlines()[0]})")
-        return model
+        return load_weights(cls(config), ckpt, path)
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None, kv_cache=True):
@@ -379,7 +394,8 @@ class KVCache:
 # ----------------------------------------------------------------------------- checkpoints
 
 class CheckpointError(Exception):
-    """A checkpoint that is missing, unreadable or does not match the command line."""
+    """A checkpoint that is missing, unreadable, not of this project, or of another model than the one
+    asked for (the command line's, or the one its own settings describe)."""
 
 
 def save_checkpoint(obj, path):
@@ -394,21 +410,69 @@ def save_checkpoint(obj, path):
 
 
 def load_checkpoint(path, map_location='cpu'):
-    """torch.load(weights_only=True), with one clear error for a missing or unreadable file."""
+    """torch.load(weights_only=True), with one clear error for a missing or unreadable file, or a
+    file that is not a checkpoint of this project."""
     if not os.path.isfile(path):
         raise CheckpointError(f"no checkpoint at {path}; train without --init_from=resume first, "
                               f"or point --out_dir at the run's folder")
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # torch raises several types for empty, truncated or foreign files
-        if os.path.getsize(path) == 0:
-            why = 'it is empty'
-        elif isinstance(e, pickle.UnpicklingError) and 'weights_only' in str(e):
-            why = 'it holds Python objects that a safe load refuses: not a checkpoint of this project'
-        else:
-            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-            why = f"{type(e).__name__}: {lines[0][:200]}" if lines else type(e).__name__
         best = os.path.join(os.path.dirname(path), 'best.pt')
         also = f"; {best}, the lowest-val-loss checkpoint, is there" if os.path.isfile(best) and \
             os.path.abspath(best) != os.path.abspath(path) else ''
-        raise CheckpointError(f"checkpoint {path} is unreadable ({why}); it is left untouched{also}")
+        raise CheckpointError(f"checkpoint {path} is unreadable ({unreadable(path, e)}); it is left untouched{also}")
+    if not (isinstance(ckpt, dict) and 'model' in ckpt and 'model_args' in ckpt):
+        raise CheckpointError(f"{path} is not a checkpoint of this project: torch.load reads it, but it holds "
+                              f"a {type(ckpt).__name__} without the 'model' and 'model_args' that train.py saves")
+    return ckpt
+
+
+def unreadable(path, error):
+    """Why torch.load failed on path, in words: what the file is not."""
+    with open(path, 'rb') as f:
+        head = f.read(16)
+        f.seek(max(0, os.path.getsize(path) - 22 - 65535))  # a zip archive ends with its index, and a comment
+        tail = f.read()
+    if not head:
+        return 'it is empty'
+    if not head.startswith(b'PK'):  # torch.save (and so train.py) writes a zip archive
+        return f"not a checkpoint of this project: torch.save writes a zip archive, and this file begins {head!r}"
+    if isinstance(error, pickle.UnpicklingError) and 'weights_only' in str(error):
+        return 'it holds Python objects that a safe load refuses: not a checkpoint of this project'
+    if b'PK\x05\x06' not in tail:  # the signature of that index's last record
+        return 'a truncated file: a zip archive without its end, as a copy or a save cut short leaves it'
+    first = next((line.strip() for line in str(error).splitlines() if line.strip()), '')
+    return f"{type(error).__name__}: {first.split('. ')[0]}" if first else type(error).__name__
+
+
+def settings(model_args):
+    """A model's settings in a message: its method and shape, then the knobs it sets away from their defaults."""
+    knobs = method_knobs()
+    shown = [k for k in ('residual', 'n_layer', 'n_head', 'n_embd', 'block_size', 'vocab_size') if k in model_args]
+    shown += [k for k, v in model_args.items() if k in knobs and v != knobs[k]]
+    return ', '.join(f"{k}={model_args[k]!r}" for k in shown)
+
+
+def load_weights(model, ckpt, path='the checkpoint'):
+    """model.load_state_dict(ckpt['model']); for weights that do not fit, an error that names the first
+    missing, unexpected and reshaped ones, and the settings the checkpoint was trained with."""
+    own, saved = model.state_dict(), ckpt['model']
+    misfits = {'missing': [k for k in own if k not in saved],
+               'unexpected': [k for k in saved if k not in own],
+               'of another shape': [f"{k} {tuple(saved[k].shape)}, here {tuple(own[k].shape)}" for k in own
+                                    if k in saved and saved[k].shape != own[k].shape]}
+    if not any(misfits.values()):
+        model.load_state_dict(saved)
+        return model
+    listed = '; '.join(f"{what}: {', '.join(keys[:3])}" + (f" and {len(keys) - 3} more" if len(keys) > 3 else '')
+                       for what, keys in misfits.items() if keys)
+    trained = ckpt['model_args']
+    trained_as = settings(trained) + (f" on {ckpt['config']['dataset']}" if 'dataset' in ckpt.get('config', {}) else '')
+    differ = ', '.join(f"{k}={v!r}" for k, v in vars(model.config).items() if trained.get(k) != v)
+    if differ:  # the model was built from another configuration (train.py on resume: the dataset's vocab_size)
+        raise CheckpointError(f"{path} was trained as {trained_as}, and this model has {differ}: "
+                              f"its weights do not fit ({listed})")
+    raise CheckpointError(f"the weights in {path} are not those of the model its settings describe "
+                          f"({trained_as}): {listed}. They are another model's (its weights and settings "
+                          f"were put together from different runs), or model.py has changed since it was saved")

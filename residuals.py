@@ -9,15 +9,15 @@ logits it gives at init with the same shared weights (None: none does), which th
 works per token, so causality is the attention's alone.
 
 This file is the reference: plain autograd, each forward written as its paper writes the equations
-(`--kernels=reference` runs exactly this). kernels.py computes the same maths faster, and the tests
-hold the two equal. Each routing computation (a read over depth, an AttnPool, the gates, the stream
+(`--kernels=reference` runs exactly this). The kernels package computes the same maths faster, and
+the tests hold the two equal. Each routing computation (a read over depth, an AttnPool, the gates, the stream
 connections) is a call of a small submodule, so it can be watched from outside with a forward hook,
 as analyze.py does; the classes keep no recording state.
 
 To add a method: write one class below and add one line to RESIDUALS at the bottom.
 
 This file stands alone (torch and the standard library): it owns the routing's RMSNorm epsilon,
-upcast and rms_norm, which kernels.py imports from here.
+upcast and rms_norm, which the kernels package imports from here.
 """
 import functools
 import itertools
@@ -27,9 +27,23 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-RMS_EPS = 1e-6  # of every RMSNorm in the routing, here and in kernels.py
-MATCH_EPS = 1e-6  # WAV's RMS matching: RMS(C) / (RMS(D) + eps), here and in kernels.py
+RMS_EPS = 1e-6  # of every RMSNorm in the routing, here and in kernels/
+MATCH_EPS = 1e-6  # WAV's RMS matching: RMS(C) / (RMS(D) + eps), here and in kernels/
 
+
+# ----------------------------------------------------------------------------- helpers the methods share
+
+def upcast(x):
+    """float32 for half-precision tensors (scores and softmax never run in bf16); others as they are."""
+    return x.float() if x.element_size() < 4 else x
+
+
+def rms_norm(x, eps=RMS_EPS):
+    """x / RMS(x) over the last dimension (no gain)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+# ----------------------------------------------------------------------------- PreNorm and per-sublayer scales
 
 class PreNorm(nn.Module):
     """x <- x + f_i(x): the standard pre-norm residual (GPT-2, nanoGPT)."""
@@ -119,16 +133,6 @@ class LaurelLR(nn.Module):
 
 # ----------------------------------------------------------------------------- Attention Residuals
 
-def upcast(x):
-    """float32 for half-precision tensors (scores and softmax never run in bf16); others as they are."""
-    return x.float() if x.element_size() < 4 else x
-
-
-def rms_norm(x, eps=RMS_EPS):
-    """x / RMS(x) over the last dimension (no gain)."""
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-
-
 class DepthAttention(nn.Module):
     """Softmax attention over depth with one learned pseudo-query w_i per reader i (AttnRes, arXiv 2603.15031):
 
@@ -188,13 +192,20 @@ class BlockAttnRes(nn.Module):
         self.block_len = 2 * (config.res_block_size or max(1, config.n_layer // 8))
 
     def forward(self, x, sublayers):
-        blocks, partial = [x], None  # e, C_0, C_1, ... (e is never summed into a block); PC
-        for i, f in enumerate(sublayers):
-            if i % self.block_len == 0 and partial is not None:  # a block is finished: C_n = its sum
-                blocks, partial = blocks + [partial], None
-            u = f(self.read(i, blocks if partial is None else blocks + [partial]))  # PC excludes u_i
-            partial = u if partial is None else partial + u
-        return self.read(len(sublayers), blocks + [partial])  # the last block's final sum is its C
+        L = len(sublayers)
+        states = [x]  # e, C_0, C_1, ... (e is never summed into a block)
+        for start in range(0, L, self.block_len):
+            block = sublayers[start:start + self.block_len]  # m sublayers; the last block may be shorter
+            updates = []
+            for k, f in enumerate(block):
+                i = start + k
+                if updates:  # the partial sum PC of the block's updates so far (u_i excluded)
+                    h = self.read(i, states + [sum(updates)])
+                else:
+                    h = self.read(i, states)
+                updates.append(f(h))
+            states = states + [sum(updates)]  # the finished block's sum C_n
+        return self.read(L, states)
 
 
 class DeltaAttnRes(nn.Module):
@@ -244,7 +255,8 @@ def rms_match(detail, state, rho, eps=MATCH_EPS):
 class WAV(BlockAttnRes):
     """WAV v1: Block AttnRes whose blocks also offer zero-sum detail bases of their updates, phase and
     split, with a negative learnable detail bias, detached RMS matching and a conservative readout
-    (seed documents 000/001). Beyond the paper: Haar levels (wav_levels) and learned bases."""
+    ("Multi-Resolution Residual Routing for Deep Decoder-Only Transformers", WAV v1; no arXiv id yet).
+    Beyond the paper: Haar levels (wav_levels) and learned bases."""
     equals_at_init = None  # Block AttnRes's reads, each detail source at weight e^-2 beside every other source
 
     def __init__(self, config):
@@ -375,7 +387,7 @@ class ManifoldCoefficients(nn.Module):
     flattened streams (mHC, arXiv 2512.24880):
 
         H_pre = sigmoid(a_pre x' W_pre + b_pre)      H_post = 2 sigmoid(a_post x' W_post + b_post)
-        H_res = mixing(a_res x' W_res + b_res)       doubly stochastic: each subclass's own mixing
+        H_res = h_res(a_res x' W_res + b_res)        doubly stochastic: each subclass's own h_res
 
     W = 0 and a = 0.01; b_pre, b_post: +1 on stream i mod n, -1 elsewhere; b_res (res_bias, the
     subclass's) starts H_res at or next to the identity."""
@@ -392,7 +404,7 @@ class ManifoldCoefficients(nn.Module):
         bias[:, 2 * n:] = torch.tensor(res_bias)
         self.bias = nn.Parameter(bias)
 
-    def mixing(self, logits):
+    def h_res(self, logits):
         """H_res (..., n, n) from its logits (..., K - 2n)."""
         raise NotImplementedError
 
@@ -404,13 +416,13 @@ class ManifoldCoefficients(nn.Module):
         b = self.bias[i]
         h_pre = torch.sigmoid(a_pre * flat[..., :n] + b[:n])
         h_post = 2 * torch.sigmoid(a_post * flat[..., n:2 * n] + b[n:2 * n])
-        return h_pre, h_post, self.mixing(a_res * flat[..., 2 * n:] + b[2 * n:])
+        return h_pre, h_post, self.h_res(a_res * flat[..., 2 * n:] + b[2 * n:])
 
 
-class SinkhornMixing(ManifoldCoefficients):
-    """mHC's H_res: M = exp(logits) (n x n) scaled by Sinkhorn-Knopp's alternate normalisations of the
-    columns and the rows, M <- T_r(T_c(M)), ITERATIONS times (the paper's t_max = 20): rows sum to 1
-    exactly, columns to within the iterations' convergence. In the log domain (log M, which cannot
+class SinkhornCoefficients(ManifoldCoefficients):
+    """mHC's H_pre, H_post and H_res, with H_res from M = exp(logits) (n x n) scaled by Sinkhorn-Knopp's
+    alternate normalisations of the columns and the rows, M <- T_r(T_c(M)), ITERATIONS times (the paper's
+    t_max = 20): rows sum to 1 exactly, columns to within the iterations' convergence. In the log domain (log M, which cannot
     overflow), in float32 under half precision; the backward differentiates through every iteration.
     b_res: 0 on the diagonal, -8 off it."""
     ITERATIONS = 20
@@ -419,7 +431,7 @@ class SinkhornMixing(ManifoldCoefficients):
         n = config.hc_streams
         super().__init__(config, [0.0 if row == col else -8.0 for row in range(n) for col in range(n)])
 
-    def mixing(self, logits):
+    def h_res(self, logits):
         log_m = upcast(logits).unflatten(-1, (self.n, self.n))  # log M(0) = logits
         for _ in range(self.ITERATIONS):
             log_m = log_m - log_m.logsumexp(dim=-2, keepdim=True)  # T_c: every column sums to 1
@@ -427,27 +439,31 @@ class SinkhornMixing(ManifoldCoefficients):
         return log_m.exp()
 
 
-class PermutationMixing(ManifoldCoefficients):
-    """mHC-lite's H_res: an exact convex mix of all n! permutation matrices P_p, sum_p softmax(logits)_p P_p
-    (arXiv 2601.05732): doubly stochastic with no iterations. b_res: 0 for the identity, -8 for the others."""
+class PermutationCoefficients(ManifoldCoefficients):
+    """mHC-lite's H_pre, H_post and H_res, with H_res an exact convex mix of all n! permutation matrices P_p,
+    sum_p softmax(logits)_p P_p (arXiv 2601.05732): doubly stochastic with no iterations. b_res: 0 for the
+    identity, -8 for the others. (GPTConfig keeps n! within reach: hc_streams <= 6.)"""
 
     def __init__(self, config):
         n = config.hc_streams
-        if n > 6:
-            raise ValueError(f"mhc_lite sums over all n! permutation matrices: hc_streams={n} would need "
-                             f"{math.factorial(n)}; use hc_streams <= 6")
         perms = torch.tensor(list(itertools.permutations(range(n))))  # the identity comes first
         super().__init__(config, [0.0] + [-8.0] * (len(perms) - 1))
         self.register_buffer('permutations', torch.eye(n)[perms], persistent=False)  # (n!, n, n)
 
-    def mixing(self, logits):
+    def h_res(self, logits):
         weights = torch.softmax(logits, dim=-1)
         return (weights @ self.permutations.flatten(1).to(weights.dtype)).unflatten(-1, (self.n, self.n))
 
 
-class KroneckerMixing(ManifoldCoefficients):
-    """KromHC's H_res for n = 2^K streams: U_1 (x) U_2 (x) ... (x) U_K, each factor U_k = w_k0 I + w_k1 S (I and
-    the swap S of 2 x 2), w_k = softmax of its two logits (arXiv 2601.21579). A Kronecker product of
+def kron(A, B):
+    """The Kronecker product A (x) B of the last two dimensions, batched over the others: block (a, b) of
+    the result is A_ab B."""
+    return (A[..., :, None, :, None] * B[..., None, :, None, :]).flatten(-4, -3).flatten(-2, -1)
+
+
+class KroneckerCoefficients(ManifoldCoefficients):
+    """KromHC's H_pre, H_post and H_res for n = 2^K streams, with H_res = U_1 (x) U_2 (x) ... (x) U_K, each
+    factor U_k = w_k0 I + w_k1 S (I and the swap S of 2 x 2), w_k = softmax of its two logits (arXiv 2601.21579). A Kronecker product of
     doubly stochastic matrices is doubly stochastic, exactly, from 2K logits (mHC-lite: n!). b_res: 0 for
     each factor's identity, -8 for its swap."""
 
@@ -457,14 +473,11 @@ class KroneckerMixing(ManifoldCoefficients):
         self.register_buffer('identity_and_swap', torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.0, 1.0, 1.0, 0.0]]),
                              persistent=False)
 
-    def mixing(self, logits):
+    def h_res(self, logits):
         weights = logits.unflatten(-1, (self.factors, 2)).softmax(dim=-1)
-        factors = (weights @ self.identity_and_swap.to(weights.dtype)).unflatten(-1, (2, 2))  # (..., K, 2, 2)
-        H = weights.new_ones(*weights.shape[:-2], 1, 1)
-        for k in range(self.factors):  # H (x) U_k: entry (a, b) of H times U_k, as blocks
-            U = factors[..., k, :, :]
-            H = (H[..., :, None, :, None] * U[..., None, :, None, :]).flatten(-4, -3).flatten(-2, -1)
-        return H
+        U = (weights @ self.identity_and_swap.to(weights.dtype)).unflatten(-1, (2, 2))  # U_1..U_K (..., K, 2, 2)
+        one = weights.new_ones(*weights.shape[:-2], 1, 1)  # the 1 x 1 identity, where the product starts
+        return functools.reduce(kron, U.unbind(-3), one)  # 1 (x) U_1 (x) ... (x) U_K
 
 
 class MHC(nn.Module):
@@ -473,7 +486,7 @@ class MHC(nn.Module):
     Its variants change H_res alone (Coefficients)."""
     sublayer_norm = True
     equals_at_init = None  # H_pre = 0.73 on one stream and 0.27 on the others mixes the streams at once
-    Coefficients = SinkhornMixing
+    Coefficients = SinkhornCoefficients
 
     def __init__(self, config):
         super().__init__()
@@ -499,13 +512,13 @@ class MHC(nn.Module):
 class MHCLite(MHC):
     """mHC-lite: mHC with H_res an exact convex mix of the n! permutation matrices, no Sinkhorn
     (Yang, Gao, arXiv 2601.05732)."""
-    Coefficients = PermutationMixing
+    Coefficients = PermutationCoefficients
 
 
 class KromHC(MHC):
     """KromHC: mHC with H_res a Kronecker product of 2 x 2 doubly stochastic factors (Zhou, Gu, Iacovides,
     Mandic, arXiv 2601.21579)."""
-    Coefficients = KroneckerMixing
+    Coefficients = KroneckerCoefficients
 
 
 class FracConnections(nn.Module):
@@ -545,13 +558,8 @@ class StreamGates(nn.Module):
         n, C = config.mgr_streams, config.n_embd
         self.competitive, self.scale = config.mgr_gate == 'competitive', C ** -0.5
         self.queries = nn.Parameter(torch.zeros(n_gated, C))
+        # (GPTConfig checks that g leaves the streams a keep weight)
         g = torch.sigmoid(torch.tensor(config.mgr_b_base)).item() * math.sqrt(config.mgr_L_base / n_gated)
-        if not self.competitive and g >= 1:
-            raise ValueError(f"mgr: the initial gate sigmoid(mgr_b_base) sqrt(mgr_L_base / {n_gated}) = {g:.3f} "
-                             f"must be below 1; use a lower mgr_b_base or mgr_L_base")
-        if self.competitive and g * n >= 1:
-            raise ValueError(f"mgr: the initial gate {g:.3f} leaves no keep weight for {n} competing streams; "
-                             f"use more layers, fewer streams or a lower mgr_b_base")
         bias = math.log(1 / g - n) if self.competitive else math.log(g / (1 - g))
         self.bias = nn.Parameter(torch.full((n_gated,), bias))
 
@@ -573,10 +581,7 @@ class MultiGateResiduals(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        n, L = config.mgr_streams, 2 * config.n_layer
-        if n < 1 or L - (n - 1) < 1:
-            raise ValueError(f"mgr with mgr_streams={n} needs more than {n - 1} sublayers to start its "
-                             f"streams; use n_layer >= {n // 2 + 1} or fewer streams")
+        n, L = config.mgr_streams, 2 * config.n_layer  # (GPTConfig checks that L > n - 1)
         self.n = n
         self.pool = DepthAttention(L + 1, config.n_embd, scale=config.n_embd ** -0.5)  # AttnPool; the last reads out
         self.gates = StreamGates(config, L - (n - 1))  # the first n-1 sublayers start the streams instead

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import analyze
+import data
 import sweep
 import train
 from conftest import TINY_TRAIN, exit_message, randomize_routing, run_cli, tiny_model
@@ -78,6 +79,43 @@ def test_diagnostics_are_picked_by_class_not_by_attribute_name(monkeypatch):
     monkeypatch.setitem(residuals.RESIDUALS, 'forked', Forked)
     rec = analyze.record(tiny_model('forked', n_layer=2), torch.randint(27, (1, 8)))
     assert len(rec['inputs']) == 4 and not rec['gates'] and not rec['streams'] and not rec['mixing']
+
+
+def test_a_new_routing_submodule_registered_in_watchers_is_reported(tmp_path, data_dir, monkeypatch):
+    """A method's own kind of submodule (here a scalar gate per sublayer) gets its diagnostic with one
+    line in analyze.WATCHERS, and analysis.json reports what it records under its own key."""
+    import residuals
+
+    class ScalarGate(torch.nn.Module):
+        def __init__(self, n):
+            super().__init__()
+            self.logit = torch.nn.Parameter(torch.linspace(-1.0, 1.0, n))
+
+        def forward(self, i):
+            return torch.sigmoid(self.logit[i])
+
+    class Gated(torch.nn.Module):
+        sublayer_norm, equals_at_init = True, None
+
+        def __init__(self, config):
+            super().__init__()
+            self.gate = ScalarGate(2 * config.n_layer)
+
+        def forward(self, x, sublayers):
+            for i, f in enumerate(sublayers):
+                x = x + self.gate(i) * f(x)
+            return x
+    monkeypatch.setitem(residuals.RESIDUALS, 'gated', Gated)
+    monkeypatch.setitem(analyze.WATCHERS, ScalarGate,
+                        lambda rec, residual, module, args, g: rec['scalar_gates'].append(g.item()))
+    model = tiny_model('gated', n_layer=2, vocab_size=data.load('pydoc', data_dir).vocab_size)
+    run = {'dataset': 'pydoc', 'data_dir': data_dir, 'eval_tokens': 64, 'batch_size': 2}
+    (tmp_path / 'run').mkdir()
+    save_checkpoint({'model': model.state_dict(), 'model_args': vars(model.config).copy(), 'config': run,
+                     'iter_num': 0}, str(tmp_path / 'run' / 'ckpt.pt'))
+    analyze.main([f'--out_dir={tmp_path / "run"}', f'--report_dir={tmp_path / "report"}'])
+    [result] = json.load(open(tmp_path / 'report' / 'analysis.json'))
+    assert result['scalar_gates'] == pytest.approx(torch.sigmoid(torch.linspace(-1.0, 1.0, 4)).tolist())
 
 
 def test_stream_angles_of_known_streams():

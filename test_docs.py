@@ -186,8 +186,8 @@ def user_files():
     the configs."""
     top = [name for name in os.listdir(ROOT) if name.endswith(('.py', '.md', '.txt'))
            and not name.startswith('test_') and name != 'conftest.py']
-    folders = [os.path.join(folder, name) for folder in ('config', 'docs')
-               for name in os.listdir(os.path.join(ROOT, folder))]
+    folders = [os.path.join(folder, name) for folder in ('config', 'docs', 'kernels')
+               for name in os.listdir(os.path.join(ROOT, folder)) if name != '__pycache__']
     return sorted(top + folders)
 
 
@@ -203,13 +203,37 @@ def test_nothing_a_user_gets_points_outside_the_repository():
     assert not found, "these lines point outside the repository:\n" + '\n'.join(found)
 
 
+def module_files(name):
+    """The files of a project module: name.py, or every file of the package name/."""
+    if os.path.isdir(os.path.join(ROOT, name)):
+        return sorted(os.path.join(ROOT, name, n) for n in os.listdir(os.path.join(ROOT, name)) if n.endswith('.py'))
+    return [os.path.join(ROOT, name + '.py')]
+
+
+def project_modules():
+    return {n[:-3] if n.endswith('.py') else n for n in os.listdir(ROOT)
+            if n.endswith('.py') or os.path.isfile(os.path.join(ROOT, n, '__init__.py'))}
+
+
+def top_level_imports(name):
+    """The import statements at the top of a module's files (not inside functions)."""
+    nodes = []
+    for path in module_files(name):
+        with open(path, encoding='utf-8') as f:
+            nodes += [n for n in ast.parse(f.read()).body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    return nodes
+
+
 def project_imports(name):
-    """The project's modules that a module imports, anywhere in it (inside functions too)."""
-    project = {n[:-3] for n in os.listdir(ROOT) if n.endswith('.py')}
-    with open(os.path.join(ROOT, name + '.py'), encoding='utf-8') as f:
-        tree = ast.parse(f.read())
+    """The project's modules that a module (a file, or a package's files together) imports, anywhere
+    in it (inside functions too); a package's imports of its own files are not counted."""
+    project = project_modules()
+    trees = []
+    for path in module_files(name):
+        with open(path, encoding='utf-8') as f:
+            trees.append(ast.parse(f.read()))
     names = set()
-    for node in ast.walk(tree):
+    for node in (node for tree in trees for node in ast.walk(tree)):
         if isinstance(node, ast.Import):
             names |= {alias.name.split('.')[0] for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
@@ -218,13 +242,11 @@ def project_imports(name):
 
 
 def test_residuals_stands_alone_and_the_imports_have_no_circle():
-    """residuals.py (the maths) imports no module of the project; kernels.py imports it at its top;
-    following the imports of the scripts never leads back to where it started."""
+    """residuals.py (the maths) imports no module of the project; the kernels package imports it at
+    its top; following the imports of the scripts never leads back to where it started."""
     assert project_imports('residuals') == set()
-    with open(os.path.join(ROOT, 'kernels.py'), encoding='utf-8') as f:
-        top = ast.parse(f.read()).body
-    assert any(isinstance(n, (ast.Import, ast.ImportFrom)) and 'residuals' in ast.unparse(n) for n in top)
-    modules = [n[:-3] for n in os.listdir(ROOT) if n.endswith('.py') and not n.startswith(('test_', 'conftest'))]
+    assert any('residuals' in ast.unparse(n) for n in top_level_imports('kernels'))
+    modules = [m for m in project_modules() if not m.startswith(('test_', 'conftest'))]
     graph = {m: project_imports(m) for m in modules}
 
     def circle_from(module, path):

@@ -310,6 +310,38 @@ def test_an_empty_checkpoint_is_named_and_best_pt_is_mentioned(tmp_path, data_di
     assert (tmp_path / 'ckpt.pt').read_bytes() == b''
 
 
+def test_a_checkpoint_of_another_model_names_its_settings_and_the_weights_that_differ(tmp_path, data_dir):
+    """Weights under another model's settings (WAV's under prenorm's), and a resume whose dataset has
+    another vocabulary: the error names the misfit weights and what the checkpoint was trained as."""
+    wav = model.GPT(model.GPTConfig(residual='wav', n_layer=2, n_head=2, n_embd=32))
+    prenorm_args = vars(model.GPTConfig(residual='prenorm', n_layer=2, n_head=2, n_embd=32)).copy()
+    save_checkpoint({'model': wav.state_dict(), 'model_args': prenorm_args}, str(tmp_path / 'ckpt.pt'))
+    message = exit_message(sample.main, [f'--out_dir={tmp_path}'])
+    assert "residual='prenorm', n_layer=2" in message and 'unexpected: residual.' in message
+    assert 'this version of model.py' not in message
+    out = tmp_path / 'run'
+    train.main([f'--out_dir={out}', f'--data_dir={data_dir}', '--max_iters=2', '--eval_interval=2', *TINY_TRAIN])
+    (tmp_path / 'ab.txt').write_text('ab' * 5000)
+    message = exit_message(train.main, [f'--out_dir={out}', '--init_from=resume', f'--dataset={tmp_path / "ab.txt"}'])
+    trained = load_checkpoint(str(out / 'ckpt.pt'))['model_args']['vocab_size']
+    assert "trained as residual='prenorm', n_layer=2" in message and f'vocab_size={trained}' in message
+    assert 'of another shape: transformer.wte.weight' in message
+
+
+def test_a_file_that_is_not_a_whole_checkpoint_says_what_it_is_not(tmp_path):
+    """A text file, a truncated checkpoint and another program's torch.save: each named for what it is not."""
+    tiny = model.GPT(model.GPTConfig(n_layer=1, n_head=1, n_embd=8))
+    save_checkpoint({'model': tiny.state_dict(), 'model_args': vars(tiny.config).copy()}, str(tmp_path / 'whole.pt'))
+    whole = (tmp_path / 'whole.pt').read_bytes()
+    (tmp_path / 'text.pt').write_text('iter 100: val_loss 1.31\n')
+    (tmp_path / 'cut.pt').write_bytes(whole[:len(whole) // 2])
+    torch.save({'weights': torch.zeros(2)}, str(tmp_path / 'other.pt'))
+    for name, expected in [('text.pt', 'not a checkpoint of this project'), ('cut.pt', 'a truncated file'),
+                           ('other.pt', 'not a checkpoint of this project')]:
+        message = exit_message(sample.main, [f'--out_dir={tmp_path}', f'--ckpt_name={name}'])
+        assert expected in message and 'Error' not in message, message
+
+
 def test_ctrl_c_says_where_the_last_checkpoint_is_and_how_to_resume(tmp_path, data_dir):
     out = tmp_path / 'run'
     args = ['--dataset=pydoc', f'--data_dir={data_dir}', '--max_iters=100000', '--eval_interval=5', '--log_interval=1',

@@ -27,7 +27,8 @@ import configurator
 import data
 import kernels as kernels_module
 from kernels import resolve as resolve_kernels
-from model import COMPILE_MODES, COMPILE_SCOPES, GPT, GPTConfig, CheckpointError, load_checkpoint, save_checkpoint
+from model import (COMPILE_MODES, COMPILE_SCOPES, GPT, GPTConfig, CheckpointError, load_checkpoint, load_weights,
+                   save_checkpoint)
 from residuals import RESIDUALS
 
 # -----------------------------------------------------------------------------
@@ -64,8 +65,8 @@ compile_scope = 'model'  # model: one graph, the routing included (minutes for d
 # sublayers: each attention and MLP compiled once and reused at every layer (seconds at any depth;
 # the routing then runs eager)
 compile_mode = 'default'  # torch.compile's mode: default, reduce-overhead (CUDA graphs) or max-autotune
-kernels = 'auto'  # how the routing runs (kernels.py): reference, torch, triton; auto = triton on CUDA, else torch
-mgr_fallback_p = 1  # MGR's fast backward inverts the lerp, keeping p originals per token; -1 = no inversion
+kernels = 'auto'  # how the routing runs (kernels/): reference, torch, triton; auto = triton on CUDA, else torch
+mgr_fallback_p = kernels_module.MGR_FALLBACK_P  # MGR's fast backward keeps p originals per token; -1 = no inversion
 # logging to Weights & Biases (optional: pip install wandb), the records of log.jsonl
 wandb_log = False
 wandb_project = 'residual-routing'
@@ -86,7 +87,7 @@ RULES = {  # the ranges of this script's numbers (the model's are checked by GPT
     'learning_rate': (lambda v: v > 0, 'above 0'), 'min_lr': AT_LEAST_0, 'weight_decay': AT_LEAST_0,
     'beta1': (lambda v: 0 <= v < 1, 'in [0, 1)'), 'beta2': (lambda v: 0 <= v < 1, 'in [0, 1)'),
     'grad_clip': AT_LEAST_0, 'warmup_iters': AT_LEAST_0, 'lr_decay_iters': AT_LEAST_0,
-    'mgr_fallback_p': (lambda v: v >= -1, '-1 (no inversion) or at least 0'),
+    'mgr_fallback_p': kernels_module.MGR_FALLBACK_P_RULE,
     'init_from': (lambda v: v in ('scratch', 'resume'), 'scratch or resume'),
     'compile_scope': (lambda v: v in COMPILE_SCOPES, ' or '.join(COMPILE_SCOPES)),
     'compile_mode': (lambda v: v in COMPILE_MODES, ' or '.join(COMPILE_MODES)),
@@ -200,9 +201,9 @@ def build(cfg, proc, ckpt):
         if proc.ddp and proc.master:
             torch.distributed.barrier()
         if ckpt is not None:
-            model.load_state_dict(ckpt['model'])
+            load_weights(model, ckpt, os.path.join(cfg['out_dir'], 'ckpt.pt'))
         kernels_used = model.set_kernels(cfg['kernels'], cfg['mgr_fallback_p'])
-    except (data.DataError, ValueError, RuntimeError) as e:
+    except (CheckpointError, data.DataError, ValueError, RuntimeError) as e:
         sys.exit(f"error: {e}")
     return ds, model, kernels_used
 
