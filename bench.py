@@ -53,6 +53,7 @@ import torch
 
 import configurator
 from counters import bytes_moved, decode_counts, model_config, operator_counts, report_bytes, report_ops, saved_bytes
+import kernels as kernels_module
 from kernels import resolve as resolve_kernels
 from model import COMPILE_MODES, COMPILE_SCOPES, GPT, KVCache, method_knobs
 from residuals import RESIDUALS
@@ -82,8 +83,8 @@ dtype = 'auto'
 compile = False
 compile_scope = 'model'  # model: one graph, the routing included; sublayers: each attention and MLP compiled once
 compile_mode = 'default'  # torch.compile's mode: default, reduce-overhead (CUDA graphs) or max-autotune
-kernels = 'auto'  # how the routing runs (kernels.py): reference, torch, triton; auto = triton on CUDA, else torch
-mgr_fallback_p = 1  # MGR's fast backward inverts the lerp, keeping p originals per token; -1 = no inversion
+kernels = 'auto'  # how the routing runs (kernels/): reference, torch, triton; auto = triton on CUDA, else torch
+mgr_fallback_p = kernels_module.MGR_FALLBACK_P  # MGR's fast backward keeps p originals per token; -1 = no inversion
 seed = 0
 json_path = ''  # write the results here too
 isolate = True  # each method in its own process beside its own prenorm
@@ -99,7 +100,7 @@ def main(argv):
                              'vocab_size': (lambda v: v >= 2, 'at least 2'),
                              'compile_scope': (lambda v: v in COMPILE_SCOPES, ' or '.join(COMPILE_SCOPES)),
                              'compile_mode': (lambda v: v in COMPILE_MODES, ' or '.join(COMPILE_MODES)),
-                             'mgr_fallback_p': (lambda v: v >= -1, '-1 (no inversion) or at least 0')})
+                             'mgr_fallback_p': kernels_module.MGR_FALLBACK_P_RULE})
     names = ['prenorm'] + [m for m in cfg['methods'].split(',') if m and m != 'prenorm']
     unknown = [m for m in names if m not in RESIDUALS]
     if unknown:
