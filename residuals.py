@@ -476,8 +476,10 @@ class KroneckerCoefficients(ManifoldCoefficients):
     def h_res(self, logits):
         weights = logits.unflatten(-1, (self.factors, 2)).softmax(dim=-1)
         U = (weights @ self.identity_and_swap.to(weights.dtype)).unflatten(-1, (2, 2))  # U_1..U_K (..., K, 2, 2)
-        one = weights.new_ones(*weights.shape[:-2], 1, 1)  # the 1 x 1 identity, where the product starts
-        return functools.reduce(kron, U.unbind(-3), one)  # 1 (x) U_1 (x) ... (x) U_K
+        H = weights.new_ones(*weights.shape[:-2], 1, 1)  # the 1 x 1 identity, where the product starts
+        for k in range(self.factors):
+            H = kron(H, U[..., k, :, :])  # 1 (x) U_1 (x) ... (x) U_k
+        return H
 
 
 class MHC(nn.Module):
