@@ -60,8 +60,8 @@ def test_mgr_fallback_keeps_the_streams_the_inversion_cannot_rebuild(backend, fe
         e = torch.randn(2, 5, 24, generator=gen).to(KERNEL_DEVICE, dtype).requires_grad_()
         updates = [(torch.randn(2, 5, 24, generator=gen) * 3).to(KERNEL_DEVICE, dtype).requires_grad_()
                    for _ in range(8)]
-        router.fallback_p = fallback_p
-        out = kernels.route(router, e, fake_sublayers(updates, []), backend if fallback_p >= 0 else 'reference')
+        out = kernels.route(router, e, fake_sublayers(updates, []), backend if fallback_p >= 0 else 'reference',
+                            fallback_p)
         gout = torch.randn(out.shape, generator=gen).to(KERNEL_DEVICE, dtype)
         return torch.autograd.grad((out * gout).sum(), [e] + updates)
     want = run(-1, torch.float64)
