@@ -110,8 +110,8 @@ def main(argv):
     shape = dict(CONFIGS[cfg['config']])
     B, T = shape.pop('batch_size'), shape['block_size']
     try:
-        for name in names:  # every method's knobs checked (its class's checks too) before anything runs
-            RESIDUALS[name](model_config(name, shape, cfg))
+        for name in names:  # every method's knobs checked (GPTConfig) before anything runs
+            model_config(name, shape, cfg)
         dev = configurator.resolve_device(cfg['device'])
         dtype = 'bfloat16' if cfg['count_bytes'] and cfg['dtype'] == 'auto' else cfg['dtype']  # as on a GPU
         dtype_name, ctx = configurator.precision(dev, dtype)

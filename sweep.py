@@ -551,13 +551,12 @@ def train_defaults():
 
 def check_arguments(args):
     """Exit with train.py's one-line error where a run's arguments name an unknown key, give a value of
-    the wrong type, or make a model that GPTConfig or the method's class refuses; the ranges of
+    the wrong type, or make a model that GPTConfig refuses; the ranges of
     train.py's own numbers are checked when the run starts."""
     from model import GPTConfig
     cfg, _ = configurator.parse(args, train_defaults(), 'python train.py')
     try:
-        config = GPTConfig(**{f.name: cfg[f.name] for f in fields(GPTConfig) if f.name in cfg})
-        RESIDUALS[config.residual](config)  # the class's own checks (MGR's gate, mHC-lite's n!)
+        GPTConfig(**{f.name: cfg[f.name] for f in fields(GPTConfig) if f.name in cfg})  # every knob's check
     except ValueError as e:
         sys.exit(f"error: {e}")
 

@@ -29,7 +29,6 @@ import kernels as kernels_module
 from kernels import resolve as resolve_kernels
 from model import (COMPILE_MODES, COMPILE_SCOPES, GPT, GPTConfig, CheckpointError, load_checkpoint, load_weights,
                    save_checkpoint)
-from residuals import RESIDUALS
 
 # -----------------------------------------------------------------------------
 # defaults: a small model (GPTConfig's defaults: 4 layers, width 128, context 128) that learns the
@@ -103,8 +102,7 @@ def parse_config(argv):
         sys.exit(f"error: eval_tokens={cfg['eval_tokens']} is less than one validation window; it must be at least "
                  f"block_size={cfg['block_size']}")
     try:
-        config = GPTConfig(**{k: cfg[k] for k in MODEL_KEYS})
-        RESIDUALS[config.residual](config)  # the class's own checks (MGR's gate, mHC-lite's n!), before any file
+        GPTConfig(**{k: cfg[k] for k in MODEL_KEYS})  # every knob's check, before any file
     except ValueError as e:
         sys.exit(f"error: {e}")
     return cfg, given
