@@ -893,7 +893,7 @@ def test_config_validates_each_knob_in_one_place():
                          ({'residual': 'mgr', 'n_layer': 1, 'mgr_streams': 4}, 'needs more than 3 sublayers'),
                          ({'residual': 'mgr', 'mgr_gate': 'independent', 'mgr_b_base': 3.0, 'n_layer': 2},
                           r'initial gate .* must be below 1; use a lower mgr_b_base'),
-                         ({'residual': 'mgr', 'mgr_streams': 8, 'n_layer': 6}, 'no keep weight for 8 competing streams')]:
+                         ({'residual': 'mgr', 'mgr_streams': 8, 'n_layer': 4}, 'no keep weight for 8 competing streams')]:
         with pytest.raises(ValueError, match=message):
             GPTConfig(**bad)
     # GPTConfig is the one place: no class of residuals.py refuses a config

@@ -148,7 +148,7 @@ def test_a_scripts_constants_are_not_its_keys():
 
 def test_crash_during_save_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch):
     path = str(tmp_path / 'ckpt.pt')
-    save_checkpoint({'iter_num': 1, 'w': torch.ones(3)}, path)
+    save_checkpoint({'iter_num': 1, 'model': {'w': torch.ones(3)}, 'model_args': {}}, path)
     real_save = torch.save
 
     def dying_save(obj, f):
@@ -158,9 +158,9 @@ def test_crash_during_save_leaves_the_previous_checkpoint_loadable(tmp_path, mon
         raise KeyboardInterrupt  # ... and then the process is interrupted
     monkeypatch.setattr(torch, 'save', dying_save)
     with pytest.raises(KeyboardInterrupt):
-        save_checkpoint({'iter_num': 2, 'w': torch.zeros(3)}, path)
+        save_checkpoint({'iter_num': 2, 'model': {'w': torch.zeros(3)}, 'model_args': {}}, path)
     ckpt = load_checkpoint(path)
-    assert ckpt['iter_num'] == 1 and torch.equal(ckpt['w'], torch.ones(3))
+    assert ckpt['iter_num'] == 1 and torch.equal(ckpt['model']['w'], torch.ones(3))
 
 
 def test_killed_run_resumes_with_the_uninterrupted_losses(tmp_path, data_dir):
@@ -275,7 +275,7 @@ def test_an_error_under_torchrun_is_one_line_from_rank_0(tmp_path):
     ('--dtype=float16', 'choose one of: auto, float32, bfloat16'),
     ('--residual=kromhc --hc_streams=3', 'hc_streams=3 must be a power of 2'),
     ('--residual=frac --frac_parts=3', 'frac_parts=3 must divide n_embd=128'),
-    ('--residual=mgr --mgr_streams=8', 'leaves no keep weight for 8 competing streams'),  # the class's own check
+    ('--residual=mgr --mgr_streams=8', 'leaves no keep weight for 8 competing streams'),  # GPTConfig's MGR check
 ])
 def test_every_number_and_choice_is_checked_before_anything_is_written(arg, message, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
