@@ -99,11 +99,10 @@ class GPTConfig:
         """MGR's first n - 1 sublayers start its streams, and the gates of the others start at
         g = sigmoid(mgr_b_base) sqrt(mgr_L_base / gated), which must leave each stream a keep weight
         (residuals.StreamGates)."""
-        n, L = self.mgr_streams, 2 * self.n_layer
-        if L - (n - 1) < 1:
+        n, n_gated = self.mgr_streams, 2 * self.n_layer - (self.mgr_streams - 1)
+        if n_gated < 1:
             raise ValueError(f"mgr with mgr_streams={n} needs more than {n - 1} sublayers to start its "
                              f"streams; use n_layer >= {n // 2 + 1} or fewer streams")
-        n_gated = L - (n - 1)
         g = torch.sigmoid(torch.tensor(self.mgr_b_base)).item() * math.sqrt(self.mgr_L_base / n_gated)
         if self.mgr_gate == 'independent' and g >= 1:
             raise ValueError(f"mgr: the initial gate sigmoid(mgr_b_base) sqrt(mgr_L_base / {n_gated}) = {g:.3f} "

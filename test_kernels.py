@@ -244,7 +244,7 @@ def test_every_triton_kernel_compiles_for_a_cuda_gpu():
 
 @pytest.mark.parametrize('residual,knobs,backend', [p for p in on_paths(VARIANTS) if p.values[2] != 'reference'])
 def test_every_fast_path_equals_the_reference_in_float64(residual, knobs, backend, few_programs):
-    """Every method's fast path (the twins of kernels.py, the Triton kernels) computes at its inputs'
+    """Every method's fast path (the twins of the kernels package, the Triton kernels) computes at its inputs'
     precision: in float64 its output and the gradients of e and of every routing parameter equal the
     class's own forward through autograd within 1e-10 (float32 inside would show as ~1e-7), on
     random routing and random sublayers that use every input they get. The kernels take tiles of 4
