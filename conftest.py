@@ -124,7 +124,7 @@ def rel_rms(got, want):
 # the kernels' tests, family by family (test_kernels*.py)
 
 STREAM_VARIANTS = [('hc', {}), ('hc', {'hc_dynamic': False}), ('mhc_lite', {}), ('mhc_lite', {'hc_streams': 3}),
-                   ('mhc', {}), ('kromhc', {'hc_streams': 8})]  # (mhc, kromhc: the PyTorch twin on every backend)
+                   ('mhc', {}), ('kromhc', {'hc_streams': 8}), ('frac', {}), ('frac', {'hc_dynamic': False, 'frac_parts': 4})]
 
 
 def two_backwards(residual, backend='torch', n_layer=3, **knobs):

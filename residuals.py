@@ -390,7 +390,8 @@ class ManifoldCoefficients(nn.Module):
         H_res = h_res(a_res x' W_res + b_res)        doubly stochastic: each subclass's own h_res
 
     W = 0 and a = 0.01; b_pre, b_post: +1 on stream i mod n, -1 elsewhere; b_res (res_bias, the
-    subclass's) starts H_res at or next to the identity."""
+    subclass's) starts H_res at or next to the identity. H_res is computed in float32 under half
+    precision autocast too: its rows and columns sum to 1 to float32's precision, not bfloat16's."""
 
     def __init__(self, config, res_bias):
         super().__init__()
@@ -416,15 +417,17 @@ class ManifoldCoefficients(nn.Module):
         b = self.bias[i]
         h_pre = torch.sigmoid(a_pre * flat[..., :n] + b[:n])
         h_post = 2 * torch.sigmoid(a_post * flat[..., n:2 * n] + b[n:2 * n])
-        return h_pre, h_post, self.h_res(a_res * flat[..., 2 * n:] + b[2 * n:])
+        with torch.autocast(x.device.type, enabled=False):
+            h_res = self.h_res(upcast(a_res * flat[..., 2 * n:] + b[2 * n:]))
+        return h_pre, h_post, h_res
 
 
 class SinkhornCoefficients(ManifoldCoefficients):
     """mHC's H_pre, H_post and H_res, with H_res from M = exp(logits) (n x n) scaled by Sinkhorn-Knopp's
     alternate normalisations of the columns and the rows, M <- T_r(T_c(M)), ITERATIONS times (the paper's
     t_max = 20): rows sum to 1 exactly, columns to within the iterations' convergence. In the log domain (log M, which cannot
-    overflow), in float32 under half precision; the backward differentiates through every iteration.
-    b_res: 0 on the diagonal, -8 off it."""
+    overflow): a normalisation is log M - logsumexp(log M), a log_softmax; the backward differentiates through every
+    iteration. b_res: 0 on the diagonal, -8 off it."""
     ITERATIONS = 20
 
     def __init__(self, config):
@@ -432,10 +435,10 @@ class SinkhornCoefficients(ManifoldCoefficients):
         super().__init__(config, [0.0 if row == col else -8.0 for row in range(n) for col in range(n)])
 
     def h_res(self, logits):
-        log_m = upcast(logits).unflatten(-1, (self.n, self.n))  # log M(0) = logits
+        log_m = logits.unflatten(-1, (self.n, self.n))  # log M(0) = logits
         for _ in range(self.ITERATIONS):
-            log_m = log_m - log_m.logsumexp(dim=-2, keepdim=True)  # T_c: every column sums to 1
-            log_m = log_m - log_m.logsumexp(dim=-1, keepdim=True)  # T_r: every row sums to 1
+            log_m = log_m.log_softmax(dim=-2)  # T_c: every column sums to 1
+            log_m = log_m.log_softmax(dim=-1)  # T_r: every row sums to 1
         return log_m.exp()
 
 
@@ -547,6 +550,9 @@ class FracConnections(nn.Module):
             mixed = width.transpose(-1, -2) @ H  # rows 0..m-1: Gamma^T H, rows m..2m-1: A^T H
             update = f(mixed[..., :self.m, :].flatten(-2)).unflatten(-1, (self.m, -1))
             H = mixed[..., self.m:, :] + beta.unsqueeze(-1) * update
+        return self.readout(H)
+
+    def readout(self, H):
         return H.flatten(-2)
 
 

@@ -273,13 +273,13 @@ def test_every_fast_path_equals_the_reference_in_float64(residual, knobs, backen
 OPERATORS = {
     'torch': {'prenorm': (135, 245), 'rezero': (152, 239), 'layerscale': (168, 255), 'laurel_rw': (201, 249),
               'laurel_lr': (217, 377), 'attnres': (509, 652), 'block_attnres': (429, 570), 'delta_attnres': (482, 591),
-              'wav': (751, 782), 'hc': (408, 760), 'mhc': (3656, 1389), 'mhc_lite': (472, 710),
-              'kromhc': (608, 1117), 'frac': (610, 574), 'mgr': (500, 540), 'denseformer': (169, 322),
+              'wav': (751, 782), 'hc': (408, 768), 'mhc': (1408, 733), 'mhc_lite': (472, 718),
+              'kromhc': (477, 726), 'frac': (403, 767), 'mgr': (500, 540), 'denseformer': (169, 322),
               'mudd': (291, 411)},
     'triton': {'prenorm': (135, 245), 'rezero': (152, 239), 'layerscale': (168, 255), 'laurel_rw': (201, 249),
                'laurel_lr': (217, 377), 'attnres': (159, 297), 'block_attnres': (159, 297), 'delta_attnres': (206, 315),
-               'wav': (195, 302), 'hc': (159, 276), 'mhc': (3656, 1389), 'mhc_lite': (202, 316),
-               'kromhc': (608, 1117), 'frac': (610, 574), 'mgr': (154, 265), 'denseformer': (169, 322),
+               'wav': (195, 302), 'hc': (159, 276), 'mhc': (200, 316), 'mhc_lite': (202, 316),
+               'kromhc': (205, 324), 'frac': (403, 767), 'mgr': (154, 265), 'denseformer': (169, 322),
                'mudd': (280, 417)},
 }
 
@@ -309,11 +309,11 @@ def test_operators_per_training_step_are_pinned(backend):
 BYTES = {
     'torch': {'prenorm': 1.0, 'rezero': 0.984, 'layerscale': 1.111, 'laurel_rw': 1.177, 'laurel_lr': 1.221,
               'attnres': 2.211, 'block_attnres': 1.775, 'delta_attnres': 2.116, 'wav': 2.879, 'hc': 3.343,
-              'mhc': 4.606, 'mhc_lite': 3.225, 'kromhc': 3.075, 'frac': 1.684, 'mgr': 3.053, 'denseformer': 1.149,
+              'mhc': 3.663, 'mhc_lite': 3.23, 'kromhc': 3.067, 'frac': 1.541, 'mgr': 3.053, 'denseformer': 1.149,
               'mudd': 1.533},
     'triton': {'prenorm': 1.0, 'rezero': 0.984, 'layerscale': 1.111, 'laurel_rw': 1.177, 'laurel_lr': 1.221,
                'attnres': 1.125, 'block_attnres': 1.099, 'delta_attnres': 1.311, 'wav': 1.229, 'hc': 1.493,
-               'mhc': 4.606, 'mhc_lite': 1.885, 'kromhc': 3.075, 'frac': 1.684, 'mgr': 1.232, 'denseformer': 1.149,
+               'mhc': 1.825, 'mhc_lite': 1.885, 'kromhc': 1.75, 'frac': 1.541, 'mgr': 1.232, 'denseformer': 1.149,
                'mudd': 1.428},
 }
 

@@ -34,6 +34,32 @@ def test_recomputed_streams_equal_the_saved_ones(residual, knobs, n_layer, backe
     assert all(rel_rms(got, want) <= 1e-10 for got, want in zip(results[1], results[0]))
 
 
+STREAM_COUNTS = [(residual, n) for residual in ('hc', 'mhc', 'mhc_lite', 'kromhc', 'frac') for n in (1, 2, 4, 8)
+                 if (residual, n) != ('mhc_lite', 8)]  # (mHC-lite's 8! permutations: GPTConfig refuses n > 6)
+
+
+@pytest.mark.parametrize('residual,n', STREAM_COUNTS)
+@pytest.mark.parametrize('backend', ['torch', pytest.param('triton', marks=TRITON_MARKS)])
+def test_every_stream_method_at_one_two_four_and_eight_streams(residual, n, backend):
+    """Every stream method's fast path at n = 1, 2, 4 and 8 streams (Frac: fractions) equals its class in
+    float64, output and every gradient: one stream too (KromHC with no factors has a constant H_res,
+    whose backward once asked autograd for a gradient that did not exist)."""
+    knobs = {'frac_parts': n} if residual == 'frac' else {'hc_streams': n}
+    results = []
+    for backend in ('reference', backend):
+        gen = torch.Generator().manual_seed(n)
+        router = routing(residual, 2, C=24, **knobs)
+        randomize_routing(router)
+        router.double()
+        weights = [torch.randn(24, 24, generator=gen, dtype=torch.float64) * 24 ** -0.5 for _ in range(4)]
+        e = torch.randn(1, 3, 24, generator=gen, dtype=torch.float64).requires_grad_()
+        out = kernels.route(router, e, [lambda h, w=w: 3 * torch.tanh(h @ w) for w in weights], backend)
+        probe = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+        results.append([out, *torch.autograd.grad((out * probe).sum(), [e, *router.parameters()])])
+    errors = [rel_rms(got, want) for got, want in zip(results[1], results[0])]
+    assert max(errors) <= 1e-10, errors
+
+
 @pytest.mark.parametrize('residual,knobs,backend', [(*variant, 'torch') for variant in STREAM_VARIANTS] + [
     pytest.param(*STREAM_VARIANTS[2], 'triton', marks=TRITON_MARKS)])  # (HC's replay is the same code)
 def test_recomputed_streams_under_bfloat16_autocast(residual, knobs, backend, monkeypatch):

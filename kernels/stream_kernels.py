@@ -7,7 +7,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from residuals import RMS_EPS
+from residuals import RMS_EPS, SinkhornCoefficients
 
 from .common import accumulator, next_pow2, reduction_programs, tl, triton
 
@@ -32,8 +32,14 @@ from .common import accumulator, next_pow2, reduction_programs, tl, triton
 # and d post_s = d H_kernel,s . u + d XW . (u W_s) (the forward's u W_s, saved), so no pass reads
 # the whole d H again. The readout's streams, after the last sublayer, are formed by advance
 # (_advance_bwd).
-# Kinds: HC (dynamic), HC static, mHC-lite.
-HC, HC_STATIC, MHC_LITE = 0, 1, 2
+# mHC's step is mHC-lite's with H_res from its n^2 logits by 20 Sinkhorn iterations in the log domain,
+# per token in the kernel's registers (SINKHORN); its backward computes the iterations again, keeping
+# each normalisation's log-sum-exp (2 x 20 x n numbers a token, in registers), and steps back through
+# them. KromHC's is mHC-lite's with n permutations (streams.kron_as_permutations).
+# Kinds: HC (dynamic), HC static, mHC-lite, mHC.
+HC, HC_STATIC, MHC_LITE, MHC = 0, 1, 2, 3
+MANIFOLD = (MHC_LITE, MHC)  # the mHC family's kinds: projection by GEMMs, alpha and bias
+ITERATIONS = SinkhornCoefficients.ITERATIONS
 
 
 STREAM_BC = 256  # columns per pass: the (n + 1, n, BC) products stay small in registers
@@ -158,6 +164,85 @@ if triton is not None:
         return AT, post, perm, w, p_pre, p_post, p_res, h_pre
 
     @triton.jit
+    def _log_normalise(lm, valid, AXIS: tl.constexpr):
+        """lm - logsumexp(lm) along AXIS (its entries outside `valid`: -inf, and kept so), and the
+        log-sum-exp subtracted (0 on a line with no valid entry)."""
+        line = tl.max(valid.to(tl.int32), axis=AXIS) > 0
+        top = tl.where(line, tl.max(lm, axis=AXIS), 0.)
+        total = tl.sum(tl.exp(lm - tl.expand_dims(top, AXIS)), axis=AXIS)
+        lse = tl.where(line, top + tl.log(tl.where(line, total, 1.)), 0.)
+        return tl.where(valid, lm - tl.expand_dims(lse, AXIS), float('-inf')), lse
+
+    @triton.jit
+    def _sinkhorn_connect(XW,  # (N, K), K = 2n + n^2
+                          P0,  # alpha (3,)
+                          P1,  # bias (K,)
+                          t,
+                          tmask,
+                          r,
+                          n,
+                          K,
+                          ACC: tl.constexpr,
+                          NP: tl.constexpr, NP1: tl.constexpr, ITERS: tl.constexpr):
+        """mHC's connections of the tokens t, as _lite_connect's: A^T (BT, NP1, NP) (row 0 H_pre,
+        rows 1..n H_res from the logits by ITERS Sinkhorn iterations, columns then rows, in the log
+        domain) and post, and what the backward needs: the res logits (BT, NP1, NP) (-inf outside),
+        P's parts (p_res as the logits) and h_pre."""
+        k, j = tl.arange(0, NP), tl.arange(0, NP1)
+        kmask = k < n
+        tk = tmask[:, None] & kmask[None, :]
+        a_pre, a_post, a_res = tl.load(P0).to(ACC), tl.load(P0 + 1).to(ACC), tl.load(P0 + 2).to(ACC)
+        p_pre = r[:, None] * tl.load(XW + t[:, None] * K + k[None, :], mask=tk, other=0.).to(ACC)
+        p_post = r[:, None] * tl.load(XW + t[:, None] * K + n + k[None, :], mask=tk,
+                                      other=0.).to(ACC)
+        h_pre = _sigmoid(a_pre * p_pre + tl.load(P1 + k, mask=kmask, other=0.).to(ACC)[None, :])
+        post = 2 * _sigmoid(a_post * p_post
+                            + tl.load(P1 + n + k, mask=kmask, other=0.).to(ACC)[None, :])
+        # H_res[a, b] at row j = a + 1, column k = b of A^T
+        valid = (j[:, None] >= 1) & (j[:, None] < n + 1) & kmask[None, :]
+        at = 2 * n + (j[:, None] - 1) * n + k[None, :]
+        p_res = r[:, None, None] * tl.load(XW + t[:, None, None] * K + at[None, :, :],
+                                           mask=tmask[:, None, None] & valid[None, :, :],
+                                           other=0.).to(ACC)
+        bias_res = tl.load(P1 + at, mask=valid, other=0.).to(ACC)
+        z = tl.where(valid[None, :, :], a_res * p_res + bias_res[None, :, :], float('-inf'))
+        valid3 = tl.broadcast_to(valid[None, :, :], z.shape)
+        lm = z
+        for _ in range(ITERS):
+            lm, _c = _log_normalise(lm, valid3, 1)  # T_c: every column sums to 1
+            lm, _r = _log_normalise(lm, valid3, 2)  # T_r: every row sums to 1
+        AT = tl.where(j[None, :, None] == 0, h_pre[:, None, :], tl.exp(lm))
+        return AT, post, z, p_pre, p_post, p_res, h_pre
+
+    @triton.jit
+    def _sinkhorn_bwd(z, g, ACC: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr,
+                      NP1: tl.constexpr, ITERS: tl.constexpr, IP: tl.constexpr):
+        """The gradient of the Sinkhorn logits z (BT, NP1, NP) from H_res's, g (zero outside): the
+        iterations again, keeping each normalisation's log-sum-exp (per column, per row), then back
+        through them, last first: y_k = y_(k-1) - lse_k, so d y_(k-1) = d y_k - exp(y_k) sum(d y_k)
+        along the normalised axis, and y_(k-1) = y_k + lse_k."""
+        valid = z != float('-inf')
+        it = tl.arange(0, IP)
+        cols = tl.zeros((BT, IP, NP), ACC)  # lse of T_c of iteration q, per column
+        rows = tl.zeros((BT, IP, NP1), ACC)  # lse of T_r, per row
+        lm = z
+        for q in range(ITERS):
+            lm, lse_c = _log_normalise(lm, valid, 1)
+            cols = tl.where(it[None, :, None] == q, lse_c[:, None, :], cols)
+            lm, lse_r = _log_normalise(lm, valid, 2)
+            rows = tl.where(it[None, :, None] == q, lse_r[:, None, :], rows)
+        d = g * tl.exp(lm)  # H_res = exp(y_last)
+        for back in range(ITERS):
+            q = ITERS - 1 - back
+            d = d - tl.exp(lm) * tl.expand_dims(tl.sum(d, axis=2), 2)  # T_r's
+            lse_r = tl.sum(tl.where(it[None, :, None] == q, rows, 0.), axis=1)
+            lm = tl.where(valid, lm + lse_r[:, :, None], float('-inf'))
+            d = d - tl.exp(lm) * tl.expand_dims(tl.sum(d, axis=1), 1)  # T_c's
+            lse_c = tl.sum(tl.where(it[None, :, None] == q, cols, 0.), axis=1)
+            lm = tl.where(valid, lm + lse_c[:, None, :], float('-inf'))
+        return tl.where(valid, d, 0.)
+
+    @triton.jit
     def _stream_rms(ss, n, C, eps, LITE: tl.constexpr):
         """r from the streams' sums of squares ss (BT, NP): per stream (HC), or one for all n
         streams (mHC-lite)."""
@@ -249,8 +334,9 @@ if triton is not None:
                         eps,
                         LITE: tl.constexpr, DYNAMIC: tl.constexpr, PROJECT: tl.constexpr,
                         COMBINE: tl.constexpr, REPLAY: tl.constexpr, ADD: tl.constexpr,
-                        ACC: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr, NP1: tl.constexpr,
-                        KP: tl.constexpr, PP: tl.constexpr, BC: tl.constexpr):
+                        SINKHORN: tl.constexpr, ACC: tl.constexpr, BT: tl.constexpr,
+                        NP: tl.constexpr, NP1: tl.constexpr, KP: tl.constexpr, PP: tl.constexpr,
+                        BC: tl.constexpr, ITERS: tl.constexpr):
         t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)  # a tile of BT tokens
         # sublayer i's: rows of (L, ...)
         P0, P1, P2, P3 = _sublayer_params(P0, P1, P2, P3, i, n, K, LITE, DYNAMIC)
@@ -282,7 +368,10 @@ if triton is not None:
             _combined_projection(XW, XW_IN, UW, post_in, t, tmask, k, kmask, n, K, ACC, KP)
             tl.debug_barrier()
         r = _stream_rms(ss, n, C, eps, LITE)
-        if LITE:  # (the rest: what the backward needs)
+        if SINKHORN:  # (the rest: what the backward needs)
+            AT, post, _, _, _, _, _ = _sinkhorn_connect(XW, P0, P1, t, tmask, r, n, K, ACC, NP, NP1,
+                                                        ITERS)
+        elif LITE:
             AT, post, _, _, _, _, _, _ = _lite_connect(XW, P0, P1, P2, t, tmask, r, n, K, n_perm,
                                                        ACC, NP, NP1, PP)
         else:
@@ -372,26 +461,38 @@ if triton is not None:
                              n,
                              C,
                              K,
-                             ACC: tl.constexpr):
-        """mHC-lite's connections backward for the tokens t, from d A^T (g_AT) and d post: writes
-        d XW (the GEMMs outside take it on to the streams and W) and returns the RMS's share of d H
-        per stream (BT, 1) and the tile's sums of the gradients of the bias (pre, post, res) and of
-        alpha (e: 0..2)."""
+                             SINKHORN: tl.constexpr, ACC: tl.constexpr, BT: tl.constexpr,
+                             NP: tl.constexpr, NP1: tl.constexpr, ITERS: tl.constexpr,
+                             IP: tl.constexpr):
+        """mHC-lite's (and mHC's: SINKHORN, w its res logits, p_res (BT, NP1, NP)) connections
+        backward for the tokens t, from d A^T (g_AT) and d post: writes d XW (the GEMMs outside take
+        it on to the streams and W) and returns the RMS's share of d H per stream (BT, 1) and the
+        tile's sums of the gradients of the bias (pre, post, res; mHC's res (NP1, NP)) and of alpha
+        (e: 0..2)."""
         a_pre, a_post, a_res = tl.load(P0).to(ACC), tl.load(P0 + 1).to(ACC), tl.load(P0 + 2).to(ACC)
         du = tl.sum(tl.where(j[None, :, None] == 0, g_AT, 0.), axis=1) * h_pre * (1 - h_pre)
         dv = g_post * post * (1 - post / 2)
-        # d loss / d w_p = sum_j g_AT[j, perm_p(j)]
-        g_w = tl.sum(tl.sum(tl.where(perm[None, :, :, None] == k[None, None, None, :],
-                                     g_AT[:, None, :, :], 0.), axis=3), axis=2)
-        dz = w * (g_w - tl.sum(w * g_w, axis=1)[:, None])
         dtype = D_XW.dtype.element_ty
+        if SINKHORN:
+            valid = (j[:, None] >= 1) & (j[:, None] < n + 1) & (k < n)[None, :]
+            dz = _sinkhorn_bwd(w, tl.where(valid[None, :, :], g_AT, 0.), ACC, BT, NP, NP1, ITERS,
+                               IP)
+            tl.store(D_XW + t[:, None, None] * K + 2 * n + (j[None, :, None] - 1) * n
+                     + k[None, None, :], (r[:, None, None] * a_res * dz).to(dtype),
+                     mask=tmask[:, None, None] & valid[None, :, :])
+            s_res = tl.sum(tl.sum(dz * p_res, axis=2), axis=1)
+        else:
+            # d loss / d w_p = sum_j g_AT[j, perm_p(j)]
+            g_w = tl.sum(tl.sum(tl.where(perm[None, :, :, None] == k[None, None, None, :],
+                                         g_AT[:, None, :, :], 0.), axis=3), axis=2)
+            dz = w * (g_w - tl.sum(w * g_w, axis=1)[:, None])
+            tl.store(D_XW + t[:, None] * K + 2 * n + p[None, :], (r[:, None] * a_res * dz).to(dtype),
+                     mask=tmask[:, None] & pmask[None, :])
+            s_res = tl.sum(dz * p_res, axis=1)
         tl.store(D_XW + t[:, None] * K + k[None, :], (r[:, None] * a_pre * du).to(dtype), mask=tk)
         tl.store(D_XW + t[:, None] * K + n + k[None, :], (r[:, None] * a_post * dv).to(dtype),
                  mask=tk)
-        tl.store(D_XW + t[:, None] * K + 2 * n + p[None, :], (r[:, None] * a_res * dz).to(dtype),
-                 mask=tmask[:, None] & pmask[None, :])
         s_pre, s_post = tl.sum(du * p_pre, axis=1), tl.sum(dv * p_post, axis=1)
-        s_res = tl.sum(dz * p_res, axis=1)
         corr = (r * r * (a_pre * s_pre + a_post * s_post + a_res * s_res) / (n * C))[:, None]
         d_a = tl.where(e == 0, tl.sum(s_pre, axis=0),
                        tl.where(e == 1, tl.sum(s_post, axis=0),
@@ -542,7 +643,7 @@ if triton is not None:
                             pmask,
                             m2,
                             n,
-                            LITE: tl.constexpr, DYNAMIC: tl.constexpr):
+                            LITE: tl.constexpr, DYNAMIC: tl.constexpr, SINKHORN: tl.constexpr):
         """A program's partial sums of the parameters' gradients, at `part`: mHC-lite [alpha (3) |
         bias: pre (n), post (n), res (n!)]; HC [width (n, n+1) | depth (n) | s_a, s_b | W (C, K), by
         _streams_grad]."""
@@ -550,7 +651,11 @@ if triton is not None:
             tl.store(part + e, d_a, mask=e < 3)
             tl.store(part + 3 + k, d_pre, mask=kmask)
             tl.store(part + 3 + n + k, d_post, mask=kmask)
-            tl.store(part + 3 + 2 * n + p, d_z, mask=pmask)
+            if SINKHORN:  # (NP1, NP): H_res[a, b] at row a + 1
+                tl.store(part + 3 + 2 * n + (j[:, None] - 1) * n + k[None, :], d_z,
+                         mask=(j[:, None] >= 1) & m2)
+            else:
+                tl.store(part + 3 + 2 * n + p, d_z, mask=pmask)
         else:
             tl.store(part + k[None, :] * (n + 1) + j[:, None], d_AT, mask=m2)
             tl.store(part + n * (n + 1) + k, d_post, mask=kmask)
@@ -589,8 +694,9 @@ if triton is not None:
                         n_part,
                         eps,
                         LITE: tl.constexpr, DYNAMIC: tl.constexpr, ADD: tl.constexpr,
-                        ACC: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr, NP1: tl.constexpr,
-                        KP: tl.constexpr, PP: tl.constexpr, BC: tl.constexpr):
+                        SINKHORN: tl.constexpr, ACC: tl.constexpr, BT: tl.constexpr,
+                        NP: tl.constexpr, NP1: tl.constexpr, KP: tl.constexpr, PP: tl.constexpr,
+                        BC: tl.constexpr, ITERS: tl.constexpr, IP: tl.constexpr):
         # per tile of tokens: d A^T and the RMS in a pass over the columns, the connections again,
         # their backward (mHC-lite's or HC's), and d H in a second pass (with ADD, the last
         # sublayer's update's backward with it: mHC-lite's with its projection's share from d XW);
@@ -609,7 +715,10 @@ if triton is not None:
         d_AT = tl.zeros((NP1, NP), ACC)
         d_post = tl.zeros((NP,), ACC)
         d_pre = tl.zeros((NP,), ACC)
-        d_z = tl.zeros((PP,), ACC)
+        if SINKHORN:
+            d_z = tl.zeros((NP1, NP), ACC)
+        else:
+            d_z = tl.zeros((PP,), ACC)
         e = tl.arange(0, 4)
         d_a = tl.zeros((4,), ACC)  # s_a, s_b (HC) or a_pre, a_post, a_res (mHC-lite)
         # HC: W's gradient (C, K) after the small ones
@@ -634,11 +743,16 @@ if triton is not None:
             d_xa = tl.zeros((BT, NP1, NP), ACC)
             d_xb = tl.zeros((BT, NP), ACC)
             if LITE:
-                AT, post, perm, w, p_pre, p_post, p_res, h_pre = _lite_connect(
-                    XW, P0, P1, P2, t, tmask, r, n, K, n_perm, ACC, NP, NP1, PP)
+                if SINKHORN:  # (w: the res logits; no permutations)
+                    AT, post, w, p_pre, p_post, p_res, h_pre = _sinkhorn_connect(
+                        XW, P0, P1, t, tmask, r, n, K, ACC, NP, NP1, ITERS)
+                    perm = w
+                else:
+                    AT, post, perm, w, p_pre, p_post, p_res, h_pre = _lite_connect(
+                        XW, P0, P1, P2, t, tmask, r, n, K, n_perm, ACC, NP, NP1, PP)
                 corr_t, pre_t, post_t, z_t, a_t = _mhc_connections_bwd(
                     P0, D_XW, t, tmask, tk, k, j, p, pmask, e, r, g_AT, g_post, post, perm, w,
-                    p_pre, p_post, p_res, h_pre, n, C, K, ACC)
+                    p_pre, p_post, p_res, h_pre, n, C, K, SINKHORN, ACC, BT, NP, NP1, ITERS, IP)
                 corr += corr_t
                 d_pre += pre_t
                 d_post += post_t
@@ -668,7 +782,7 @@ if triton is not None:
                 tl.store(D_POST_IN + t[:, None] * n + k[None, :],
                          d_post_in.to(D_POST_IN.dtype.element_ty), mask=tk)
         _stream_parts_store(PART + pid * n_part, d_AT, d_post, d_pre, d_z, d_a, k, j, p, e, kmask,
-                            pmask, m2, n, LITE, DYNAMIC)
+                            pmask, m2, n, LITE, DYNAMIC, SINKHORN)
 
     @triton.jit
     def _advance_bwd(G,  # d H (N, n, C)
@@ -704,15 +818,15 @@ if triton is not None:
 
 # ----------------------------------------------------------------------------------- the custom ops
 
-def _projection_sizes(XW, W, params, kind):
-    """K, the projection's columns (HC's W or mHC-lite's XW; 0 for static HC), and mHC-lite's
-    number of permutations n! (1 for HC)."""
+def _projection_sizes(XW, W, params, kind, n):
+    """K, the projection's columns (HC's W or the mHC family's XW; 0 for static HC), and the number
+    of res logits: mHC-lite's permutations (n!), mHC's n^2 (1 for HC)."""
     K = 0
     if W is not None:
         K = W.shape[-1]
     elif XW is not None:
         K = XW.shape[-1]
-    return K, params[2].shape[0] if kind == MHC_LITE else 1
+    return K, params[2].shape[0] if kind == MHC_LITE else (K - 2 * n if kind == MHC else 1)
 
 
 def _stream_args(H, XW, W, params, kind):
@@ -727,7 +841,7 @@ def _stream_args(H, XW, W, params, kind):
     except RuntimeError:
         H = H.reshape(-1, n, C)
     P = list(params) + [None] * (4 - len(params))
-    K, n_perm = _projection_sizes(XW, W, params, kind)
+    K, n_perm = _projection_sizes(XW, W, params, kind, n)
     blocks = dict(BT=stream_tile(n, C, n_perm, H.shape[0]), NP=next_pow2(n), NP1=next_pow2(n + 1),
                   PP=next_pow2(n_perm), BC=stream_columns(C))
     return (H, (None if XW is None else XW.contiguous()), (None if W is None else W.contiguous()),
@@ -776,7 +890,8 @@ def _triton_stream_mix(H: Tensor, post_in: Optional[Tensor], u_in: Optional[Tens
         OUT_POST=post,  # (B, T, n, 1)
         i=i, stride_t=H3.stride(0), stride_k=H3.stride(1),
         N=N, n=n, C=C, K=K, n_perm=n_perm, eps=RMS_EPS,
-        LITE=kind == MHC_LITE, DYNAMIC=kind == HC, PROJECT=W is not None, COMBINE=UW is not None,
+        LITE=kind in MANIFOLD, DYNAMIC=kind == HC, PROJECT=W is not None, COMBINE=UW is not None,
+        SINKHORN=kind == MHC, ITERS=ITERATIONS,
         REPLAY=replay, ADD=post_in is not None, ACC=acc_tl, KP=next_pow2(K), **blocks)
     return h, mixed, post, projected
 
@@ -817,7 +932,7 @@ def _triton_stream_mix_backward(H: Tensor, post_in: Optional[Tensor], u_in: Opti
     H3, XW, W, P, (n, C, K, n_perm), blocks = _stream_args(H, XW, W, params, kind)
     N = H3.shape[0]
     d_H = torch.empty(H.shape, device=H.device, dtype=H.dtype)
-    d_XW = torch.empty(XW.shape, device=H.device, dtype=acc) if kind == MHC_LITE else None
+    d_XW = torch.empty(XW.shape, device=H.device, dtype=acc) if kind in MANIFOLD else None
     last = _last_outputs(H, post_in, u_in, UW, kind, low)
     programs, n_part = _stream_parts(kind, n, C, K, n_perm, N)
     parts = torch.empty((programs, n_part), device=H.device, dtype=acc)
@@ -845,7 +960,8 @@ def _triton_stream_mix_backward(H: Tensor, post_in: Optional[Tensor], u_in: Opti
         PART=parts,  # (programs, n_part)
         i=i, stride_t=H3.stride(0), stride_k=H3.stride(1),
         N=N, n=n, C=C, K=K, n_perm=n_perm, n_part=n_part, eps=RMS_EPS,
-        LITE=kind == MHC_LITE, DYNAMIC=kind == HC, ADD=post_in is not None, ACC=acc_tl,
+        LITE=kind in MANIFOLD, DYNAMIC=kind == HC, ADD=post_in is not None, ACC=acc_tl,
+        SINKHORN=kind == MHC, ITERS=ITERATIONS, IP=next_pow2(ITERATIONS),
         KP=next_pow2(K), **blocks)
     return d_H, [] if d_XW is None else [d_XW], parts, [t for t in last if t is not None]
 
@@ -853,16 +969,16 @@ def _triton_stream_mix_backward(H: Tensor, post_in: Optional[Tensor], u_in: Opti
 @_triton_stream_mix_backward.register_fake
 def _(H, post_in, u_in, XW, UW, W, params, i, kind, grad_h, grad_mixed, grad_post, low):
     acc, (n, C), N = accumulator(H.dtype)[0], H.shape[-2:], H.numel() // (H.shape[-2] * H.shape[-1])
-    K, n_perm = _projection_sizes(XW, W, params, kind)
-    return (H.new_empty(H.shape), [XW.new_empty(XW.shape, dtype=acc)] if kind == MHC_LITE else [],
+    K, n_perm = _projection_sizes(XW, W, params, kind, n)
+    return (H.new_empty(H.shape), [XW.new_empty(XW.shape, dtype=acc)] if kind in MANIFOLD else [],
             H.new_empty(_stream_parts(kind, n, C, K, n_perm, N), dtype=acc),
             [t for t in _last_outputs(H, post_in, u_in, UW, kind, low) if t is not None])
 
 
 def _stream_parts(kind, n, C, K, n_perm, N):
     """The stream backward's partial sums: (programs, numbers a program), [alpha | bias] of
-    mHC-lite, [width | depth | s_a, s_b | W (C, K)] of HC ([width | depth] of static HC)."""
-    if kind == MHC_LITE:
+    the mHC family, [width | depth | s_a, s_b | W (C, K)] of HC ([width | depth] of static HC)."""
+    if kind in MANIFOLD:
         n_part = 3 + 2 * n + n_perm
     elif kind == HC:
         n_part = n * (n + 1) + n + (2 + C * K)
@@ -879,7 +995,7 @@ def _last_outputs(H, post_in, u_in, UW, kind, low):
         return None, None, None, None
     grads = (torch.empty(u_in.shape, device=H.device, dtype=u_in.dtype),
              torch.empty(post_in.shape, device=H.device, dtype=post_in.dtype))
-    if kind == MHC_LITE:
+    if kind in MANIFOLD:
         rows = (H.numel() // (H.shape[-2] * H.shape[-1]), H.shape[-2] * H.shape[-1])
         return *grads, torch.empty(rows, device=H.device, dtype=low or H.dtype), torch.empty(
             UW.shape, device=H.device, dtype=u_in.dtype)

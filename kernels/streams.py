@@ -18,8 +18,10 @@ import math
 import torch
 from torch import Tensor
 
+from residuals import upcast
+
 from .common import GradPool, rms_inverse
-from .stream_kernels import (HC, HC_STATIC, MHC_LITE, _triton_advance_backward, _triton_stream_mix,
+from .stream_kernels import (HC, HC_STATIC, MANIFOLD, MHC, MHC_LITE, _triton_advance_backward, _triton_stream_mix,
                              _triton_stream_mix_backward)
 
 
@@ -31,25 +33,40 @@ def stream_mixing(A, H):
     return torch.bmm(A.mT, H) if A.dim() == 3 else torch.matmul(A.mT, H)
 
 
+def rows_of(update, C):
+    """The update f(h) as rows of C (..., k, C): HC's one row for every stream (k = 1), or
+    Frac-Connections' m fractions (k = m), one for each row of the state."""
+    return update.view(*update.shape[:-1], -1, C)
+
+
 def advance(mixed, post, update):
-    """The next streams H' + post^T f(h); post (..., n), or (..., n, 1) as the kernels write it."""
+    """The next state H' + diag(post) f(h) per row (HC: f(h) in every stream; Frac: its fractions);
+    post (..., n), or (..., n, 1) as the kernels write it."""
     return torch.addcmul(mixed, post if post.dim() == mixed.dim() else post.unsqueeze(-1),
-                         update.unsqueeze(-2))
+                         rows_of(update, mixed.shape[-1]))
 
 
 def advance_backward(grad, update, post):
-    """advance's backward, d u = sum_s post_s G_s and d post_s = G_s . u per token, in two batched
-    products (the kernels' twin: _triton_advance_backward) -> d update, d post."""
-    if post.dim() == 1:  # static HC's post (n,), the same for every token
-        d_update = torch.matmul(post.to(grad.dtype), grad)
-        d_post = (torch.matmul(grad, update.unsqueeze(-1).to(grad.dtype))
-                  .sum_to_size(post.shape + (1,)).squeeze(-1))
-        return d_update, d_post
+    """advance's backward per token, in batched products (the kernels' twin:
+    _triton_advance_backward) -> d update, d post. HC: d u = sum_s post_s G_s, d post_s = G_s . u;
+    Frac: d u_s = post_s G_s, d post_s = G_s . u_s."""
     n, C = grad.shape[-2:]
+    U = rows_of(update, C)
+    if post.dim() == 1:  # static post (n,), the same for every token
+        if U.shape[-2] == 1:
+            d_update = torch.matmul(post.to(grad.dtype), grad)
+        else:
+            d_update = (grad * post.to(grad.dtype).unsqueeze(-1)).view(update.shape)
+        d_post = (grad * U.to(grad.dtype)).sum_to_size(post.shape + (1,)).squeeze(-1)
+        return d_update, d_post
     G = grad.reshape(-1, n, C)
-    d_update = torch.bmm(post.reshape(-1, 1, n).to(G.dtype), G).view(update.shape)
-    # (as a row: 5x faster on a CPU)
-    d_post = torch.bmm(update.reshape(-1, 1, C).to(G.dtype), G.mT).view(post.shape)
+    if U.shape[-2] == 1:
+        d_update = torch.bmm(post.reshape(-1, 1, n).to(G.dtype), G).view(update.shape)
+        # (as a row: 5x faster on a CPU)
+        d_post = torch.bmm(update.reshape(-1, 1, C).to(G.dtype), G.mT).view(post.shape)
+    else:
+        d_update = (G * post.reshape(-1, n, 1).to(G.dtype)).view(update.shape)
+        d_post = torch.bmm(G.reshape(-1, 1, C), U.reshape(-1, C, 1).to(G.dtype)).view(post.shape)
     return d_update, d_post
 
 
@@ -103,6 +120,12 @@ class TorchStreamStep:
     def __init__(self, params):
         self.params, self.pool = params, GradPool()
 
+    @staticmethod
+    def streams(module, x):
+        """The state the method starts from: the embedding x copied into n streams (residuals.copies),
+        a stride-0 view."""
+        return x.unsqueeze(-2).expand(*x.shape[:-1], module.n, x.shape[-1])
+
     def post_again(self, saved, i):
         """None: Advance saves post."""
         return None
@@ -115,17 +138,19 @@ class TorchStreamStep:
 class HCStep(TorchStreamStep):
     """HC in the forms [A | post] = [width | depth] + [s_a .. s_a, s_b] T, T = tanh(P) (n, n + 2)
     per token, P = rms_norm(H) W per stream. Saves T (as many numbers as A and post); the backward
-    takes 1/RMS again from the rebuilt streams."""
+    takes 1/RMS again from the rebuilt streams. The same step is Frac-Connections' (FracStep), whose
+    A = [Gamma | A] has m columns that read h, where HC's has one (A_m)."""
 
     def __init__(self, module):
         c = module.connections
         super().__init__([c.width, c.depth]
                          + ([c.width_scale, c.depth_scale, c.proj] if c.dynamic else []))
+        self.h = c.width.shape[-1] - c.width.shape[-2]  # the columns that read h: 1 (HC) or m (Frac)
         with torch.no_grad():
             self.base, self.W_t = torch.cat([c.width, c.depth.unsqueeze(-1)], -1), None
             if c.dynamic:
-                L, n = c.depth.shape
-                self.scale = torch.cat([c.width_scale.unsqueeze(1).expand(L, n + 1),
+                L, n, k = c.width.shape
+                self.scale = torch.cat([c.width_scale.unsqueeze(1).expand(L, k),
                                         c.depth_scale.unsqueeze(1)], 1)
                 # W^T (L, K, C): on a CPU, X W with W's few columns in rows is a 2-3x slower GEMM
                 # (likewise d W)
@@ -153,12 +178,12 @@ class HCStep(TorchStreamStep):
                      * rms_inverse(H, keepdim=True))
                 saved = (torch.tanh(P),)
             Ap = torch.addcmul(Ap, saved[0], self.scale[i])
-        mixed = stream_mixing(Ap[..., 1:-1], H)  # H' = A_r^T H
+        mixed = stream_mixing(Ap[..., self.h:-1], H)  # H' = A_r^T H
         if replay:
             return None, mixed, Ap[..., -1], saved
         # h = A_m^T H, a product of its own (in one product with H', f would keep all n + 1 rows
         # alive); post: Advance computes it again (static HC's: a copy)
-        h = stream_mixing(Ap[..., :1], H).view(N, C)
+        h = stream_mixing(Ap[..., :self.h], H).view(N, self.h * C)
         return h, mixed, Ap[..., -1].clone() if self.W_t is None else Ap[..., -1], saved or ()
 
     def post_again(self, saved, i):
@@ -171,7 +196,7 @@ class HCStep(TorchStreamStep):
 
     def backward(self, H, i, saved, grad_h, grad_mixed, grad_post):
         (N, n, C), K = H.shape, self.base.shape[-1]
-        G = torch.cat([grad_h.unsqueeze(1), grad_mixed], 1)  # d (A^T H): row 0 h, rows 1..n H'
+        G = torch.cat([grad_h.view(N, self.h, C), grad_mixed], 1)  # d (A^T H): rows of h, then H'
         if not saved:  # static: one A and post for all tokens
             grad_H = torch.matmul(self.base[i][:, :-1], G).to(H.dtype)
             d_Ap = torch.cat([torch.bmm(H, G.mT).sum(0), grad_post.unsqueeze(-1)], -1)
@@ -208,29 +233,37 @@ class HCStep(TorchStreamStep):
         return [g.to(p.dtype) for g, p in zip(grads, self.params)]
 
 
-class MHCStep(TorchStreamStep):
-    """The mHC family (mHC, KromHC; mHC-lite in MHCLiteStep) with the alphas per column
-    a = [a_pre .. a_post .. a_res ..] (K = 2n + H_res's logits): logits a x' W + b, x' = rms_norm of
-    the flattened streams; H_res = the coefficients' own mixing of its logits, its backward through
-    autograd on those few numbers a token (for mHC, back through its 20 iterations). Saves H_res,
-    post and 1/RMS r (n^2 + n + 1 numbers a token); the backward takes the logits again."""
+class FracStep(HCStep):
+    """Frac-Connections' step: HC's, over the m fractions of x (B, T, m, C/m) instead of n copies,
+    with m columns of A reading h and each fraction of f(h) added to its own row (advance)."""
 
-    def __init__(self, module):
-        c = module.coefficients
-        super().__init__([c.alpha, c.bias, c.proj])
-        (L, K), n = c.bias.shape, c.n
+    @staticmethod
+    def streams(module, x):
+        return x.unflatten(-1, (module.m, -1))
+
+
+class ManifoldStep(TorchStreamStep):
+    """The mHC family's step (MHCStep, MHCLiteStep, KromHCStep: each its own H_res) with the alphas
+    per column a = [a_pre .. a_post .. a_res ..] (K = 2n + H_res's logits): logits a x' W + b, x' =
+    rms_norm of the flattened streams; H_res from its logits in float32 (as the class), forward and
+    backward by hand. Saves H_res, post and 1/RMS r (n^2 + n + 1 numbers a token); the backward
+    takes the logits again."""
+
+    def __init__(self, n, alpha, bias, proj):
+        super().__init__([alpha, bias, proj])
+        L, K = bias.shape
         with torch.no_grad():
-            self.alpha = torch.cat([c.alpha[:, :1].expand(L, n), c.alpha[:, 1:2].expand(L, n),
-                                    c.alpha[:, 2:].expand(L, K - 2 * n)], 1)
-            self.bias, self.W = c.bias.detach(), c.proj.detach()
-        self.n, self.split, self.coefficients = n, [n, n, K - 2 * n], c
+            self.alpha = torch.cat([alpha[:, :1].expand(L, n), alpha[:, 1:2].expand(L, n),
+                                    alpha[:, 2:].expand(L, K - 2 * n)], 1)
+            self.bias, self.W = bias.detach(), proj.detach()
+        self.n, self.split = n, [n, n, K - 2 * n]
 
     @staticmethod
     def connect(module, i, H):
         """A = [H_pre | H_res^T] and post = H_post of sublayer i as the class computes them
         (compiled_streams)."""
         h_pre, post, h_res = module.coefficients(i, H)
-        return torch.cat([h_pre.unsqueeze(-1), h_res.transpose(-1, -2)], -1), post
+        return torch.cat([h_pre.unsqueeze(-1), h_res.transpose(-1, -2).to(h_pre.dtype)], -1), post
 
     @functools.cached_property
     def W_scaled_t(self):
@@ -245,17 +278,6 @@ class MHCStep(TorchStreamStep):
         P = torch.mm(X, self.W[i]) * r
         return P, torch.addcmul(self.bias[i], P, self.alpha[i])
 
-    def h_res(self, logits):
-        """H_res (N, n, n) from its logits (N, K - 2n)."""
-        return self.coefficients.h_res(logits).to(logits.dtype)
-
-    def h_res_backward(self, logits, grad):
-        """The gradient of H_res's logits from H_res's, grad (N, n n)."""
-        with torch.enable_grad():
-            logits = logits.detach().requires_grad_()
-            H_res = self.coefficients.h_res(logits)
-            return torch.autograd.grad(H_res, logits, grad.view(H_res.shape).to(H_res.dtype))[0]
-
     def __call__(self, H, i, saved=None):
         """h, H', post of sublayer i and (H_res, post, r) for the streams H (N, n, C); the replay
         gives these and only mixes."""
@@ -265,7 +287,8 @@ class MHCStep(TorchStreamStep):
         r = rms_inverse(X, keepdim=True)
         logits = self.logits(X, r, i)[1]
         gates = torch.sigmoid(logits[:, :2 * n])  # H_pre, H_post / 2
-        H_res = self.h_res(logits[:, 2 * n:])
+        with torch.autocast(H.device.type, enabled=False):  # H_res in float32, as the class
+            H_res = self.h_res(upcast(logits[:, 2 * n:]))
         post = 2 * gates[:, n:]
         return (torch.bmm(gates[:, None, :n], H).view(N, C), torch.bmm(H_res, H), post,
                 (H_res, post, r))
@@ -279,7 +302,9 @@ class MHCStep(TorchStreamStep):
         grad_H.addcmul_(gates[:, :n, None], grad_h.unsqueeze(1))  # h = H_pre H
         # (a row times H^T: on a CPU 9x faster than H g)
         d_pre = torch.bmm(grad_h.unsqueeze(1), H.mT).view(N, n)
-        d_res = self.h_res_backward(logits[:, 2 * n:], torch.bmm(grad_mixed, H.mT).view(N, -1))
+        d_H_res = torch.bmm(grad_mixed, H.mT).view(N, -1)
+        with torch.autocast(H.device.type, enabled=False):
+            d_res = self.h_res_backward(upcast(logits[:, 2 * n:]), H_res, upcast(d_H_res))
         d_gates = torch.ops.aten.sigmoid_backward(torch.cat([d_pre, 2 * grad_post], -1), gates)
         d_logits = torch.cat([d_gates, d_res], -1)
         # P = r (X W): d X = r (d_P W^T) - (r^2 / (n C)) (d_P . P) X, d W = X^T (r d_P),
@@ -302,21 +327,86 @@ class MHCStep(TorchStreamStep):
                 for g, p in zip([d_alpha, d_bias, d_W * self.alpha.unsqueeze(1)], self.params)]
 
 
-class MHCLiteStep(MHCStep):
+class MHCStep(ManifoldStep):
+    """mHC's H_res: 20 Sinkhorn iterations in the log domain, each normalisation one log_softmax. Its
+    backward computes the 40 normalised iterates again from the logits (40 x n^2 numbers a token,
+    for the length of one sublayer's backward) and steps back through them, each normalisation's
+    backward one operator (_log_softmax_backward_data): 3 operators a normalisation in all, the
+    floor of the iterations written as PyTorch operators."""
+
+    def __init__(self, module):
+        c = module.coefficients
+        super().__init__(c.n, c.alpha, c.bias, c.proj)
+        self.iterations = c.ITERATIONS
+
+    def iterates(self, logits):
+        """The 40 normalised iterates log M of Sinkhorn-Knopp (N, n, n), columns first."""
+        log_m, out = logits.view(-1, self.n, self.n), []
+        for _ in range(self.iterations):
+            out.append(torch.log_softmax(log_m, -2))  # T_c
+            log_m = torch.log_softmax(out[-1], -1)  # T_r
+            out.append(log_m)
+        return out
+
+    def h_res(self, logits):
+        """H_res (N, n, n) from its logits (N, K - 2n), float32 logits."""
+        return self.iterates(logits)[-1].exp()
+
+    def h_res_backward(self, logits, H_res, grad):
+        """The gradient of H_res's logits (N, K - 2n) from H_res's, grad (N, n n), float32."""
+        iterates = self.iterates(logits)
+        g = grad.view(H_res.shape) * H_res  # exp's
+        for k in reversed(range(len(iterates))):  # T_r at odd k, T_c at even k
+            g = torch.ops.aten._log_softmax_backward_data(g, iterates[k], -1 if k % 2 else -2,
+                                                          g.dtype)
+        return g.view(logits.shape)
+
+class MHCLiteStep(ManifoldStep):
     """mHC-lite's H_res = softmax(logits_res) @ permutations, and its backward, by hand."""
 
     def __init__(self, module):
-        super().__init__(module)
-        self.perms = module.coefficients.permutations.flatten(1)
+        c = module.coefficients
+        super().__init__(c.n, c.alpha, c.bias, c.proj)
+        self.perms = c.permutations.flatten(1)
 
     def h_res(self, logits):
-        return torch.mm(torch.softmax(logits, -1),
-                        self.perms.to(logits.dtype)).view(-1, self.n, self.n)
+        return torch.mm(torch.softmax(logits, -1), self.perms.to(logits.dtype)).view(-1, self.n, self.n)
 
-    def h_res_backward(self, logits, grad):
+    def h_res_backward(self, logits, H_res, grad):
         w = torch.softmax(logits, -1)
-        d_w = torch.mm(grad, self.perms.t().to(grad.dtype))
-        return torch.ops.aten._softmax_backward_data(d_w.to(w.dtype), w, -1, w.dtype)
+        return torch.ops.aten._softmax_backward_data(torch.mm(grad, self.perms.t().to(grad.dtype)), w,
+                                                     -1, w.dtype)
+
+
+def kron_as_permutations(c):
+    """KromHC's coefficients c as mHC-lite's: H_res = U_1 (x) .. (x) U_K, U_k = w_k0 I + w_k1 S, is
+    a convex mix of n permutations, sum_e c_e P_e (e = 0..n-1, P_e maps stream a to a XOR e: the
+    product of the factors' I or S by the bits of e, the first factor's the highest), and c_e =
+    prod_k w_k,bit_k(e) = softmax(logits B)_e, B the bits (2K, n) (the product of the factors'
+    softmaxes is the softmax of the summed logits). So its res logits are taken through B once per
+    forward, its projection's and bias's columns (autograd takes their gradients back through B),
+    and every step is mHC-lite's with n permutations. Returns the bias (L, 3n), the projection
+    (L, n C, 3n) (both times [I 0; 0 B], one product each), the permutations (n, n, n) and their
+    stream indices (n, n): row a of P_e reads stream a XOR e."""
+    n, K = c.n, c.factors
+    like = dict(dtype=c.bias.dtype, device=c.bias.device)
+    bits = [[float((e >> (K - 1 - k)) & 1 == x) for e in range(n)] for k in range(K) for x in (0, 1)]
+    basis = torch.tensor([[float(row == col) for col in range(2 * n)] + [0.0] * n for row in range(2 * n)]
+                         + [[0.0] * 2 * n + b for b in bits], **like)  # [I 0; 0 B] (2n + 2K, 3n)
+    index = [[a ^ e for a in range(n)] for e in range(n)]
+    perms = torch.tensor([[[float(b == row[a]) for b in range(n)] for a in range(n)] for row in index], **like)
+    return (c.bias @ basis, c.proj @ basis, perms,
+            torch.tensor(index, dtype=torch.int32, device=c.bias.device))
+
+
+class KromHCStep(MHCLiteStep):
+    """KromHC's step: mHC-lite's, with n permutations (kron_as_permutations)."""
+
+    def __init__(self, module):
+        c = module.coefficients
+        bias, proj, perms, _ = kron_as_permutations(c)
+        ManifoldStep.__init__(self, c.n, c.alpha, bias, proj)
+        self.perms = perms.flatten(1)
 
 
 # ------------------------------------------------------------------------------------ the Functions
@@ -387,8 +477,8 @@ class StreamParams:
     gradients as slices of them; the others return None. (Per sublayer one sum, where each
     sublayer's own gradients cost five slices and autograd a stack of L of them per parameter.)"""
 
-    def __init__(self, kind, params, W):
-        self.kind, self.params, self.W, self.pool = kind, params, W, GradPool()
+    def __init__(self, kind, params, W, n):
+        self.kind, self.params, self.W, self.n, self.pool = kind, params, W, n, GradPool()
         self.W_t = self.W_s = self.W_s_t = None
 
     def put(self, i, parts):
@@ -399,7 +489,7 @@ class StreamParams:
         rearranged once per forward, not once per sublayer): u [W_1 | .. | W_n] projects an update
         u."""
         if self.W_s is None:
-            (L, nC, K), n = self.W.shape, self.params[2].shape[1]
+            (L, nC, K), n = self.W.shape, self.n
             stack = (self.W.detach().view(L, n, nC // n, K).transpose(1, 2)
                      .reshape(L, nC // n, n * K))
             self.W_s = stack, stack.unbind()
@@ -449,7 +539,7 @@ class TritonStreamMix(torch.autograd.Function):
     @staticmethod
     def forward(ctx, H, post_in, u_in, W, segment, i, grads, *params):
         kind = grads.kind
-        if kind == MHC_LITE:  # mHC-lite's projection by cuBLAS: XW (N, K) of the rows (N, n C), of
+        if kind in MANIFOLD:  # mHC-lite's projection by cuBLAS: XW (N, K) of the rows (N, n C), of
             # H' + post^T u as H' W and u W_s; H' W at the streams' precision (under autocast, a
             # half-precision copy of H' moved more)
             with torch.autocast(H.device.type, enabled=False):
@@ -489,7 +579,7 @@ class TritonStreamMix(torch.autograd.Function):
         d_u, d_post, grad_W = *(d_last[:2] if d_last else (None, None)), None
         # XW = rows W: rows get d_XW W^T, W gets rows^T d_XW (rows: the streams as the kernel formed
         # them)
-        if kind == MHC_LITE:
+        if kind in MANIFOLD:
             d_XW = d_XW[0]
             if d_last:
                 rows = d_last[2]
@@ -523,8 +613,7 @@ def rebuilt(step, kernel, module, x, sublayers, backend):
     (hc_kernel, mhc_lite_kernel), or None where it has no kernel (the step by hand runs on every
     backend); kernels.FAST names both for each class. Compiled, compiled_streams runs instead (the
     compiler plans its own memory)."""
-    # e copied into n streams, as residuals.copies
-    H = x.unsqueeze(-2).expand(*x.shape[:-1], module.n, x.shape[-1])
+    H = step.streams(module, x)
     if torch.compiler.is_compiling():
         return compiled_streams(module, step, H, sublayers)
     length = max(1, round(math.sqrt(len(sublayers))))
@@ -583,20 +672,33 @@ def mhc_lite_kernel(module):
     return MHC_LITE, [c.alpha, c.bias, c.permutations.argmax(-1).to(torch.int32)], c.proj
 
 
+def mhc_kernel(module):
+    """mHC's, as mhc_lite_kernel: [alpha, bias] (H_res by the kernel's Sinkhorn iterations)."""
+    c = module.coefficients
+    return MHC, [c.alpha, c.bias], c.proj
+
+
+def kromhc_kernel(module):
+    """KromHC's: mHC-lite's kernel with its n XOR permutations (kron_as_permutations)."""
+    c = module.coefficients
+    bias, proj, _, index = kron_as_permutations(c)
+    return MHC_LITE, [c.alpha, bias, index], proj
+
+
 class TritonStreams:
     """As TorchStreams with the kernels, which carry the streams as (H, post, u): the last
     sublayer's H' and post and its update f(h), from which each step's kernels (forward, replay and
     backward) form the streams H' + post^T u as they read them, so that the n streams are never
     written between two sublayers; only the readout's streams are formed outside, by Advance. The
     first sublayer's: (e's n copies, a stride-0 stream dimension, None, None). `kernel`: the kind,
-    the parameters and the projection (hc_kernel, mhc_lite_kernel)."""
+    the parameters and the projection (hc_kernel, mhc_lite_kernel, mhc_kernel, kromhc_kernel)."""
 
     def __init__(self, kernel, H):
         self.kind, self.params, W = kernel
-        self.grads = StreamParams(self.kind, self.params, W)
+        self.grads = StreamParams(self.kind, self.params, W, H.shape[-2])
         # mHC-lite's projections one per sublayer: one backward node gathers their gradients
         self.projections = [self.grads.W] * len(self.params[0])
-        if self.kind == MHC_LITE:
+        if self.kind in MANIFOLD:
             self.projections = W.unbind()
         self.start = H, None, None
 
@@ -624,7 +726,8 @@ def compiled_streams(module, step, H, sublayers):
     GEMM of tiny per-token matrices). The compiler plans the memory."""
     for i, f in enumerate(sublayers):
         A, post = step.connect(module, i, H)
-        # (..., n+1, C): row 0 is h, rows 1..n are H'
+        # (..., h + n, C): rows 0..h-1 are h (HC: 1 row, Frac: m), the others H'
         mixed = (A.unsqueeze(-1) * H.unsqueeze(-2)).sum(-3)
-        H = advance(mixed[..., 1:, :], post, f(mixed[..., 0, :]))
+        h = A.shape[-1] - A.shape[-2]
+        H = advance(mixed[..., h:, :], post, f(mixed[..., :h, :].flatten(-2)))
     return module.readout(H)
