@@ -254,7 +254,7 @@ def few_programs(monkeypatch):
     each program loops over several tiles and writes a partial sum (on a GPU: up to 512 programs)."""
     few = {'reduction_programs': lambda n_tiles: min(n_tiles, 2),
            'token_tile': lambda m, C, N: min(4, next_pow2(N)),
-           'stream_tile': lambda n, C, n_perm, N: min(4, next_pow2(N))}
+           'stream_tile': lambda n, C, n_perm, N, hr: min(4, next_pow2(N))}
     for family in (depth_mix, stream_kernels, mgr, dense):  # the files whose launchers call them
         for name, tile in few.items():
             if hasattr(family, name):

@@ -279,7 +279,7 @@ OPERATORS = {
     'triton': {'prenorm': (135, 245), 'rezero': (152, 239), 'layerscale': (168, 255), 'laurel_rw': (201, 249),
                'laurel_lr': (217, 377), 'attnres': (159, 297), 'block_attnres': (159, 297), 'delta_attnres': (206, 315),
                'wav': (195, 302), 'hc': (159, 276), 'mhc': (200, 316), 'mhc_lite': (202, 316),
-               'kromhc': (205, 324), 'frac': (403, 767), 'mgr': (154, 265), 'denseformer': (169, 322),
+               'kromhc': (205, 324), 'frac': (156, 275), 'mgr': (154, 265), 'denseformer': (169, 322),
                'mudd': (280, 417)},
 }
 
@@ -313,7 +313,7 @@ BYTES = {
               'mudd': 1.533},
     'triton': {'prenorm': 1.0, 'rezero': 0.984, 'layerscale': 1.111, 'laurel_rw': 1.177, 'laurel_lr': 1.221,
                'attnres': 1.125, 'block_attnres': 1.099, 'delta_attnres': 1.311, 'wav': 1.229, 'hc': 1.493,
-               'mhc': 1.825, 'mhc_lite': 1.885, 'kromhc': 1.75, 'frac': 1.541, 'mgr': 1.232, 'denseformer': 1.149,
+               'mhc': 1.825, 'mhc_lite': 1.885, 'kromhc': 1.75, 'frac': 1.07, 'mgr': 1.232, 'denseformer': 1.149,
                'mudd': 1.428},
 }
 

@@ -106,7 +106,7 @@ FAST = {residuals.AttnRes: attnres.attnres,
         residuals.MHC: functools.partial(streams.rebuilt, streams.MHCStep, streams.mhc_kernel),
         residuals.MHCLite: functools.partial(streams.rebuilt, streams.MHCLiteStep, streams.mhc_lite_kernel),
         residuals.KromHC: functools.partial(streams.rebuilt, streams.KromHCStep, streams.kromhc_kernel),
-        residuals.FracConnections: functools.partial(streams.rebuilt, streams.FracStep, None),
+        residuals.FracConnections: functools.partial(streams.rebuilt, streams.FracStep, streams.hc_kernel),
         residuals.MultiGateResiduals: mgr.mgr,
         residuals.DenseFormer: dense.denseformer,
         residuals.MUDDFormer: dense.mudd}

@@ -55,11 +55,11 @@ def stream_columns(C):
     return min(next_pow2(C), STREAM_BC)
 
 
-def stream_tile(n, C, n_perm, N):
+def stream_tile(n, C, n_perm, N, hr):
     """Tokens per program of the stream kernels: one at GPT-2's width (n = 4: an (n + 1, n, 256)
     block, or HC's projection (n, 256, n + 2), fills the budget), several at small widths (as
     token_tile for the depth mix)."""
-    NP, NP2 = next_pow2(n), next_pow2(n + 2)
+    NP, NP2 = next_pow2(n), next_pow2(n + hr + 1)
     block = NP2 * NP * max(stream_columns(C), next_pow2(n_perm))
     return max(1, min(next_pow2(N), STREAM_TILE // block))
 
@@ -70,15 +70,15 @@ if triton is not None:
         return 1 / (1 + tl.exp(-x))
 
     @triton.jit
-    def _sublayer_params(P0, P1, P2, P3, i, n, K, LITE: tl.constexpr, DYNAMIC: tl.constexpr):
-        """Sublayer i's rows of the stacked parameters (L, ...): HC width, depth, s_a, s_b; mHC-lite
-        alpha, bias (P2: the permutations, shared)."""
+    def _sublayer_params(P0, P1, P2, P3, i, n, hr, K, LITE: tl.constexpr, DYNAMIC: tl.constexpr):
+        """Sublayer i's rows of the stacked parameters (L, ...): HC width (n, hr + n), depth, s_a,
+        s_b; mHC-lite alpha, bias (P2: the permutations, shared)."""
         if LITE:
             return P0 + i * 3, P1 + i * K, P2, P3
         elif DYNAMIC:
-            return P0 + i * n * (n + 1), P1 + i * n, P2 + i, P3 + i
+            return P0 + i * n * (n + hr), P1 + i * n, P2 + i, P3 + i
         else:
-            return P0 + i * n * (n + 1), P1 + i * n, P2, P3
+            return P0 + i * n * (n + hr), P1 + i * n, P2, P3
 
     @triton.jit
     def _hc_connect(XW,  # (N, n, K), K = n + 2 (DYNAMIC)
@@ -90,19 +90,20 @@ if triton is not None:
                     tmask,
                     r,
                     n,
+                    hr,
                     K,
                     DYNAMIC: tl.constexpr,
                     ACC: tl.constexpr,
                     BT: tl.constexpr, NP: tl.constexpr, NP1: tl.constexpr):
-        """HC's connections of the tokens t (BT,): A^T (BT, NP1, NP) (row 0 reads h, rows 1..n the
-        streams H') and post (BT, NP), from XW ((n, K) per token, K = n + 2) and r: 1/RMS per stream
-        (BT, NP). Also returns what the backward needs: P^T, its tanh, the depth column's P and tanh
+        """HC's connections of the tokens t (BT,): A^T (BT, NP1, NP) (rows 0..hr-1 read h: HC's
+        one, Frac's m; rows hr..hr+n-1 the streams H') and post (BT, NP), from XW ((n, K) per token,
+        K = hr + n + 1) and r: 1/RMS per stream (BT, NP). Also returns what the backward needs: P^T, its tanh, the depth column's P and tanh
         (zeros for static HC)."""
         k, j = tl.arange(0, NP), tl.arange(0, NP1)
-        kmask, jmask = k < n, j < n + 1
+        kmask, jmask = k < n, j < n + hr
         m2 = jmask[:, None] & kmask[None, :]
         tk = tmask[:, None] & kmask[None, :]
-        width = tl.load(P0 + k[None, :] * (n + 1) + j[:, None], mask=m2, other=0.).to(ACC)
+        width = tl.load(P0 + k[None, :] * (n + hr) + j[:, None], mask=m2, other=0.).to(ACC)
         AT = tl.broadcast_to(width[None, :, :], (BT, NP1, NP))
         post = tl.broadcast_to(tl.load(P1 + k, mask=kmask, other=0.).to(ACC)[None, :], (BT, NP))
         PT = tl.zeros((BT, NP1, NP), ACC)
@@ -115,7 +116,7 @@ if triton is not None:
                 mask=tmask[:, None, None] & m2[None, :, :], other=0.).to(ACC)
             TT = 2 * _sigmoid(2 * PT) - 1  # tanh
             AT += tl.load(P2).to(ACC) * TT
-            pb = r * tl.load(XW + t[:, None] * n * K + k[None, :] * K + n + 1, mask=tk,
+            pb = r * tl.load(XW + t[:, None] * n * K + k[None, :] * K + n + hr, mask=tk,
                              other=0.).to(ACC)
             tb = 2 * _sigmoid(2 * pb) - 1
             post += tl.load(P3).to(ACC) * tb
@@ -263,26 +264,33 @@ if triton is not None:
 
     @triton.jit
     def _streams_tile(H,  # (N, n, C) at `streams` (+ columns)
-                      U_IN,  # (N, C) (ADD)
+                      U_IN,  # (N, C), Frac's (N, n C) (ADD)
                       post_in,
                       streams,
                       t,
                       tmask,
+                      k,
                       cols,
                       tk3,
                       cmask,
+                      n,
                       C,
                       ADD: tl.constexpr,
+                      FRAC: tl.constexpr,
                       ACC: tl.constexpr):
         """The streams at the tokens t and columns cols (BT, NP, BC): H itself, or with ADD the last
-        sublayer's H' (at H) + post^T u, formed here and never written; and u (BT, BC) (ADD
-        only)."""
+        sublayer's H' (at H) + diag(post) u, formed here and never written; and u (BT, 1, BC), one
+        row for every stream, or with FRAC (BT, NP, BC), Frac's fraction of each row (ADD only)."""
         HT = tl.load(H + streams + cols[None, None, :], mask=tk3 & cmask, other=0.).to(ACC)
-        u = tl.zeros((1, 1), ACC)
+        u = tl.zeros((1, 1, 1), ACC)
         if ADD:
-            u = tl.load(U_IN + t[:, None] * C + cols[None, :],
-                        mask=tmask[:, None] & (cols < C)[None, :], other=0.).to(ACC)
-            HT += post_in[:, :, None] * u[:, None, :]
+            if FRAC:
+                u = tl.load(U_IN + t[:, None, None] * n * C + k[None, :, None] * C
+                            + cols[None, None, :], mask=tk3 & cmask, other=0.).to(ACC)
+            else:
+                u = tl.load(U_IN + t[:, None, None] * C + cols[None, None, :],
+                            mask=tmask[:, None, None] & cmask, other=0.).to(ACC)
+            HT += post_in[:, :, None] * u
         return HT, u
 
     @triton.jit
@@ -331,15 +339,16 @@ if triton is not None:
                         C,
                         K,
                         n_perm,
+                        hr,  # the rows of A^T that read h: 1, Frac's m
                         eps,
                         LITE: tl.constexpr, DYNAMIC: tl.constexpr, PROJECT: tl.constexpr,
                         COMBINE: tl.constexpr, REPLAY: tl.constexpr, ADD: tl.constexpr,
-                        SINKHORN: tl.constexpr, ACC: tl.constexpr, BT: tl.constexpr,
+                        FRAC: tl.constexpr, SINKHORN: tl.constexpr, ACC: tl.constexpr, BT: tl.constexpr,
                         NP: tl.constexpr, NP1: tl.constexpr, KP: tl.constexpr, PP: tl.constexpr,
                         BC: tl.constexpr, ITERS: tl.constexpr):
         t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)  # a tile of BT tokens
         # sublayer i's: rows of (L, ...)
-        P0, P1, P2, P3 = _sublayer_params(P0, P1, P2, P3, i, n, K, LITE, DYNAMIC)
+        P0, P1, P2, P3 = _sublayer_params(P0, P1, P2, P3, i, n, hr, K, LITE, DYNAMIC)
         if PROJECT:
             W += i * C * K
         k, j, c, q = tl.arange(0, NP), tl.arange(0, NP1), tl.arange(0, BC), tl.arange(0, KP)
@@ -352,8 +361,8 @@ if triton is not None:
         # the streams' sums of squares (and HC's XW), BC columns at a time
         for c0 in range(0, C, BC):
             cols = c0 + c
-            HT, u = _streams_tile(H, U_IN, post_in, streams, t, tmask, cols, tk,
-                                  (cols < C)[None, None, :], C, ADD, ACC)
+            HT, u = _streams_tile(H, U_IN, post_in, streams, t, tmask, k, cols, tk,
+                                  (cols < C)[None, None, :], n, C, ADD, FRAC, ACC)
             ss += tl.sum(HT * HT, axis=2)
             if PROJECT:
                 Wc = tl.load(W + cols[:, None] * K + q[None, :],
@@ -375,31 +384,32 @@ if triton is not None:
             AT, post, _, _, _, _, _, _ = _lite_connect(XW, P0, P1, P2, t, tmask, r, n, K, n_perm,
                                                        ACC, NP, NP1, PP)
         else:
-            AT, post, _, _, _, _ = _hc_connect(XW, P0, P1, P2, P3, t, tmask, r, n, K, DYNAMIC, ACC,
+            AT, post, _, _, _, _ = _hc_connect(XW, P0, P1, P2, P3, t, tmask, r, n, hr, K, DYNAMIC, ACC,
                                                BT, NP, NP1)
         out = OUT_MIXED.dtype.element_ty
-        tj = tmask[:, None, None] & (j[None, :, None] >= 1) & (j[None, :, None] < n + 1)
-        t0 = tmask[:, None, None] & (j[None, :, None] == 0)
+        tj = tmask[:, None, None] & (j[None, :, None] >= hr) & (j[None, :, None] < n + hr)
+        t0 = tmask[:, None, None] & (j[None, :, None] < hr)
         for c0 in range(0, C, BC):  # A^T H: row 0 is h, rows 1..n are H'
             cols = c0 + c
             cmask = (cols < C)[None, None, :]
-            HT, u = _streams_tile(H, U_IN, post_in, streams, t, tmask, cols, tk, cmask, C, ADD, ACC)
+            HT, u = _streams_tile(H, U_IN, post_in, streams, t, tmask, k, cols, tk, cmask, n, C, ADD,
+                                  FRAC, ACC)
             mixed = tl.sum(AT[:, :, :, None] * HT[:, None, :, :], axis=2)
-            tl.store(OUT_MIXED + t[:, None, None] * n * C + (j[None, :, None] - 1) * C
+            tl.store(OUT_MIXED + t[:, None, None] * n * C + (j[None, :, None] - hr) * C
                      + cols[None, None, :], mixed.to(out), mask=tj & cmask)
             if not REPLAY:
-                tl.store(OUT_H + t[:, None, None] * C + j[None, :, None] * 0 + cols[None, None, :],
+                tl.store(OUT_H + t[:, None, None] * hr * C + j[None, :, None] * C + cols[None, None, :],
                          mixed.to(out), mask=t0 & cmask)
         tl.store(OUT_POST + t[:, None] * n + k[None, :], post.to(OUT_POST.dtype.element_ty),
                  mask=tmask[:, None] & kmask[None, :])
 
     @triton.jit
-    def _mixing_grad(G_H, G_MIXED, t, j, cols, tj, t0, cmask, n, C, ACC: tl.constexpr):
-        """The gradient G of A^T H at the tokens t and columns cols (BT, NP1, BC): row 0 h's, rows
-        1..n H''s."""
-        G = tl.load(G_MIXED + t[:, None, None] * n * C + (j[None, :, None] - 1) * C
+    def _mixing_grad(G_H, G_MIXED, t, j, cols, tj, t0, cmask, n, hr, C, ACC: tl.constexpr):
+        """The gradient G of A^T H at the tokens t and columns cols (BT, NP1, BC): rows 0..hr-1
+        h's, the others H''s."""
+        G = tl.load(G_MIXED + t[:, None, None] * n * C + (j[None, :, None] - hr) * C
                     + cols[None, None, :], mask=tj & cmask, other=0.).to(ACC)
-        G += tl.load(G_H + t[:, None, None] * C + j[None, :, None] * 0 + cols[None, None, :],
+        G += tl.load(G_H + t[:, None, None] * hr * C + j[None, :, None] * C + cols[None, None, :],
                      mask=t0 & cmask, other=0.).to(ACC)
         return G
 
@@ -412,14 +422,17 @@ if triton is not None:
                       streams,
                       t,
                       tmask,
+                      k,
                       j,
                       c,
                       tk3,
                       tj,
                       t0,
                       n,
+                      hr,
                       C,
                       ADD: tl.constexpr,
+                      FRAC: tl.constexpr,
                       ACC: tl.constexpr,
                       BT: tl.constexpr, NP: tl.constexpr, NP1: tl.constexpr, BC: tl.constexpr):
         """A pass over the columns for the tokens t: d loss / d A^T[j, s] = G_j . H_s
@@ -430,9 +443,9 @@ if triton is not None:
         for c0 in range(0, C, BC):
             cols = c0 + c
             cmask = (cols < C)[None, None, :]
-            HT, u = _streams_tile(H, U_IN, post_in, streams, t, tmask, cols, tk3, cmask, C, ADD,
-                                  ACC)
-            G = _mixing_grad(G_H, G_MIXED, t, j, cols, tj, t0, cmask, n, C, ACC)
+            HT, u = _streams_tile(H, U_IN, post_in, streams, t, tmask, k, cols, tk3, cmask, n,
+                                  C, ADD, FRAC, ACC)
+            G = _mixing_grad(G_H, G_MIXED, t, j, cols, tj, t0, cmask, n, hr, C, ACC)
             g_AT += tl.sum(G[:, :, None, :] * HT[:, None, :, :], axis=3)
             ss += tl.sum(HT * HT, axis=2)
         return g_AT, ss
@@ -551,15 +564,18 @@ if triton is not None:
                       tj,
                       t0,
                       n,
+                      hr,
                       C,
                       K,
                       LITE: tl.constexpr, DYNAMIC: tl.constexpr, ADD: tl.constexpr,
-                      ACC: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr, BC: tl.constexpr):
+                      FRAC: tl.constexpr, ACC: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr,
+                      BC: tl.constexpr):
         """A second pass over the columns for the tokens t: d H_s = sum_j A^T[j, s] G_j - corr_s H_s
         written (+ HC: d XW_s W^T, and W's gradient H^T d XW in this program's part of PART, at
         part_w: written by the program's first tile, added to by its `later` ones). With ADD, d H is
         also the last sublayer's d H', and (HC) its update's backward is here:
-        d u = sum_s post_s d H_s written, d post_s = d H_s . u returned (BT, NP). mHC-lite's d H
+        d u = sum_s post_s d H_s written, d post_s = d H_s . u returned (BT, NP) (FRAC: d u_s =
+        post_s d H_s, d post_s = d H_s . u_s). mHC-lite's d H
         lacks its GEMM's share (d XW W^T), so its d u and d post are the kernel's parts of them
         (_mhc_update_bwd and a GEMM outside add the rest); it also writes the streams it formed, for
         the GEMM of its projection's gradient (OUT_H)."""
@@ -567,9 +583,9 @@ if triton is not None:
         for c0 in range(0, C, BC):
             cols = c0 + c
             cmask = (cols < C)[None, None, :]
-            HT, u = _streams_tile(H, U_IN, post_in, streams, t, tmask, cols, tk3, cmask, C, ADD,
-                                  ACC)
-            G = _mixing_grad(G_H, G_MIXED, t, j, cols, tj, t0, cmask, n, C, ACC)
+            HT, u = _streams_tile(H, U_IN, post_in, streams, t, tmask, k, cols, tk3, cmask, n,
+                                  C, ADD, FRAC, ACC)
+            G = _mixing_grad(G_H, G_MIXED, t, j, cols, tj, t0, cmask, n, hr, C, ACC)
             dH = tl.sum(AT[:, :, :, None] * G[:, :, None, :], axis=1) - corr[:, :, None] * HT
             # XW = H W per stream: H gets d XW W^T; W gets H^T d XW, in this program's part
             if DYNAMIC:
@@ -578,26 +594,31 @@ if triton is not None:
                 m_a = jmask[:, None] & (cols < C)[None, :]
                 w_a = tl.load(W + cols[None, :] * K + j[:, None], mask=m_a, other=0.).to(ACC)
                 dH += tl.sum(d_xa[:, :, :, None] * w_a[None, :, None, :], axis=1)
-                # W[c, n + 1] (depth)
-                w_b = tl.load(W + cols * K + n + 1, mask=cols < C, other=0.).to(ACC)
+                # W[c, n + hr] (depth)
+                w_b = tl.load(W + cols * K + n + hr, mask=cols < C, other=0.).to(ACC)
                 dH += d_xb[:, :, None] * w_b[None, None, :]
                 g_a = tl.sum(tl.sum(d_xa[:, :, :, None] * HT[:, None, :, :], axis=2), axis=0)
                 g_b = tl.sum(tl.sum(d_xb[:, :, None] * HT, axis=1), axis=0)
                 g_a += tl.where(later, tl.load(at_a, mask=m_a, other=0.), 0.)
-                g_b += tl.where(later, tl.load(part_w + cols * K + n + 1, mask=cols < C, other=0.),
+                g_b += tl.where(later, tl.load(part_w + cols * K + n + hr, mask=cols < C, other=0.),
                                 0.)
                 tl.store(at_a, g_a, mask=m_a)
-                tl.store(part_w + cols * K + n + 1, g_b, mask=cols < C)
+                tl.store(part_w + cols * K + n + hr, g_b, mask=cols < C)
             tl.store(D_H + t[:, None, None] * n * C + k[None, :, None] * C + cols[None, None, :],
                      dH.to(D_H.dtype.element_ty), mask=tk3 & cmask)
             if ADD:
                 if LITE:
                     tl.store(OUT_H + t[:, None, None] * n * C + k[None, :, None] * C
                              + cols[None, None, :], HT.to(OUT_H.dtype.element_ty), mask=tk3 & cmask)
-                d_u = tl.sum(post_in[:, :, None] * dH, axis=1)
-                tl.store(D_U + t[:, None] * C + cols[None, :], d_u.to(D_U.dtype.element_ty),
-                         mask=tmask[:, None] & (cols < C)[None, :])
-                d_post_in += tl.sum(dH * u[:, None, :], axis=2)
+                if FRAC:
+                    tl.store(D_U + t[:, None, None] * n * C + k[None, :, None] * C
+                             + cols[None, None, :], (post_in[:, :, None] * dH).to(D_U.dtype.element_ty),
+                             mask=tk3 & cmask)
+                else:
+                    d_u = tl.sum(post_in[:, :, None] * dH, axis=1)
+                    tl.store(D_U + t[:, None] * C + cols[None, :], d_u.to(D_U.dtype.element_ty),
+                             mask=tmask[:, None] & (cols < C)[None, :])
+                d_post_in += tl.sum(dH * u, axis=2)
         return d_post_in
 
     @triton.jit
@@ -643,6 +664,7 @@ if triton is not None:
                             pmask,
                             m2,
                             n,
+                            hr,
                             LITE: tl.constexpr, DYNAMIC: tl.constexpr, SINKHORN: tl.constexpr):
         """A program's partial sums of the parameters' gradients, at `part`: mHC-lite [alpha (3) |
         bias: pre (n), post (n), res (n!)]; HC [width (n, n+1) | depth (n) | s_a, s_b | W (C, K), by
@@ -657,10 +679,10 @@ if triton is not None:
             else:
                 tl.store(part + 3 + 2 * n + p, d_z, mask=pmask)
         else:
-            tl.store(part + k[None, :] * (n + 1) + j[:, None], d_AT, mask=m2)
-            tl.store(part + n * (n + 1) + k, d_post, mask=kmask)
+            tl.store(part + k[None, :] * (n + hr) + j[:, None], d_AT, mask=m2)
+            tl.store(part + n * (n + hr) + k, d_post, mask=kmask)
             if DYNAMIC:
-                tl.store(part + n * (n + 1) + n + e, d_a, mask=e < 2)
+                tl.store(part + n * (n + hr) + n + e, d_a, mask=e < 2)
 
     @triton.jit
     def _stream_mix_bwd(H,  # the streams (N, n, C), at (stride_t, stride_k, 1)
@@ -692,9 +714,10 @@ if triton is not None:
                         K,
                         n_perm,
                         n_part,
+                        hr,
                         eps,
                         LITE: tl.constexpr, DYNAMIC: tl.constexpr, ADD: tl.constexpr,
-                        SINKHORN: tl.constexpr, ACC: tl.constexpr, BT: tl.constexpr,
+                        FRAC: tl.constexpr, SINKHORN: tl.constexpr, ACC: tl.constexpr, BT: tl.constexpr,
                         NP: tl.constexpr, NP1: tl.constexpr, KP: tl.constexpr, PP: tl.constexpr,
                         BC: tl.constexpr, ITERS: tl.constexpr, IP: tl.constexpr):
         # per tile of tokens: d A^T and the RMS in a pass over the columns, the connections again,
@@ -704,11 +727,11 @@ if triton is not None:
         # launch)
         pid, programs = tl.program_id(0), tl.num_programs(0)
         # as in the forward
-        P0, P1, P2, P3 = _sublayer_params(P0, P1, P2, P3, i, n, K, LITE, DYNAMIC)
+        P0, P1, P2, P3 = _sublayer_params(P0, P1, P2, P3, i, n, hr, K, LITE, DYNAMIC)
         if DYNAMIC:
             W += i * C * K
         k, j, p, c = tl.arange(0, NP), tl.arange(0, NP1), tl.arange(0, PP), tl.arange(0, BC)
-        kmask, jmask, pmask = k < n, j < n + 1, p < n_perm
+        kmask, jmask, pmask = k < n, j < n + hr, p < n_perm
         m2 = jmask[:, None] & kmask[None, :]
         # each program's sums over its tokens: HC width^T (NP1, NP), depth, s_a, s_b; mHC-lite
         # alpha, bias
@@ -722,7 +745,7 @@ if triton is not None:
         e = tl.arange(0, 4)
         d_a = tl.zeros((4,), ACC)  # s_a, s_b (HC) or a_pre, a_post, a_res (mHC-lite)
         # HC: W's gradient (C, K) after the small ones
-        part_w = PART + pid * n_part + n * (n + 1) + n + 2
+        part_w = PART + pid * n_part + n * (n + hr) + n + 2
         # each program: every programs-th tile of BT tokens
         for tile in range(pid, tl.cdiv(N, BT), programs):
             # int64 (the interpreter: Python ints)
@@ -730,12 +753,12 @@ if triton is not None:
             tmask = t < N
             tk = tmask[:, None] & kmask[None, :]
             streams, tk3 = t[:, None, None] * stride_t + k[None, :, None] * stride_k, tk[:, :, None]
-            tj = tmask[:, None, None] & (j[None, :, None] >= 1) & jmask[None, :, None]
-            t0 = tmask[:, None, None] & (j[None, :, None] == 0)
+            tj = tmask[:, None, None] & (j[None, :, None] >= hr) & jmask[None, :, None]
+            t0 = tmask[:, None, None] & (j[None, :, None] < hr)
             g_post = tl.load(G_POST + t[:, None] * n + k[None, :], mask=tk, other=0.).to(ACC)
             post_in = _last_post(POST_IN, t, tk, n, ADD, ACC, BT, NP)
-            g_AT, ss = _mixing_grams(H, U_IN, post_in, G_H, G_MIXED, streams, t, tmask, j, c, tk3,
-                                     tj, t0, n, C, ADD, ACC, BT, NP, NP1, BC)
+            g_AT, ss = _mixing_grams(H, U_IN, post_in, G_H, G_MIXED, streams, t, tmask, k, j, c,
+                                     tk3, tj, t0, n, hr, C, ADD, FRAC, ACC, BT, NP, NP1, BC)
             r = _stream_rms(ss, n, C, eps, LITE)
             # (r^2 / D) dP . P per projected row: the RMS's share of d H
             corr = tl.zeros((BT, NP), ACC)
@@ -759,7 +782,7 @@ if triton is not None:
                 d_z += z_t
                 d_a += a_t
             else:
-                AT, post, PT, TT, pb, tb = _hc_connect(XW, P0, P1, P2, P3, t, tmask, r, n, K,
+                AT, post, PT, TT, pb, tb = _hc_connect(XW, P0, P1, P2, P3, t, tmask, r, n, hr, K,
                                                        DYNAMIC, ACC, BT, NP, NP1)
                 d_AT += tl.sum(g_AT, axis=0)
                 d_post += tl.sum(g_post, axis=0)
@@ -771,8 +794,8 @@ if triton is not None:
             later = tile > pid
             d_post_in = _streams_grad(H, U_IN, post_in, W, G_H, G_MIXED, D_H, D_U, OUT_H, part_w,
                                       AT, corr, d_xa, d_xb, later, streams, t, tmask, k, j, c,
-                                      jmask, tk3, tj, t0, n, C, K, LITE, DYNAMIC, ADD, ACC, BT, NP,
-                                      BC)
+                                      jmask, tk3, tj, t0, n, hr, C, K, LITE, DYNAMIC, ADD, FRAC, ACC,
+                                      BT, NP, BC)
             if ADD:
                 # d XW, written by _mhc_connections_bwd, read back (other threads wrote it)
                 if LITE:
@@ -782,20 +805,21 @@ if triton is not None:
                 tl.store(D_POST_IN + t[:, None] * n + k[None, :],
                          d_post_in.to(D_POST_IN.dtype.element_ty), mask=tk)
         _stream_parts_store(PART + pid * n_part, d_AT, d_post, d_pre, d_z, d_a, k, j, p, e, kmask,
-                            pmask, m2, n, LITE, DYNAMIC, SINKHORN)
+                            pmask, m2, n, hr, LITE, DYNAMIC, SINKHORN)
 
     @triton.jit
     def _advance_bwd(G,  # d H (N, n, C)
-                     U,  # u (N, C)
+                     U,  # u (N, C); Frac's (N, n C)
                      POST,  # post (N, n)
-                     D_U,  # (N, C), written
+                     D_U,  # as U, written
                      D_POST,  # (N, n), written
                      N,
                      n,
                      C,
-                     ACC: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr, BC: tl.constexpr):
+                     FRAC: tl.constexpr, ACC: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr,
+                     BC: tl.constexpr):
         """H = H' + post^T u: d u = sum_s post_s G_s, d post_s = G_s . u, per token (a tile of
-        BT)."""
+        BT); FRAC, H = H' + diag(post) u by fractions: d u_s = post_s G_s, d post_s = G_s . u_s."""
         t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
         k, c = tl.arange(0, NP), tl.arange(0, BC)
         tmask, kmask = t < N, k < n
@@ -805,14 +829,19 @@ if triton is not None:
         for c0 in range(0, C, BC):
             cols = c0 + c
             cmask = cols < C
-            u = tl.load(U + t[:, None] * C + cols[None, :], mask=tmask[:, None] & cmask[None, :],
-                        other=0.).to(ACC)
-            g = tl.load(G + t[:, None, None] * n * C + k[None, :, None] * C + cols[None, None, :],
-                        mask=tk[:, :, None] & cmask[None, None, :], other=0.).to(ACC)
-            d_u = tl.sum(post[:, :, None] * g, axis=1)
-            tl.store(D_U + t[:, None] * C + cols[None, :], d_u.to(D_U.dtype.element_ty),
-                     mask=tmask[:, None] & cmask[None, :])
-            d_post += tl.sum(g * u[:, None, :], axis=2)
+            rows = t[:, None, None] * n * C + k[None, :, None] * C + cols[None, None, :]
+            m3 = tk[:, :, None] & cmask[None, None, :]
+            g = tl.load(G + rows, mask=m3, other=0.).to(ACC)
+            if FRAC:
+                u = tl.load(U + rows, mask=m3, other=0.).to(ACC)
+                tl.store(D_U + rows, (post[:, :, None] * g).to(D_U.dtype.element_ty), mask=m3)
+            else:
+                u = tl.load(U + t[:, None, None] * C + cols[None, None, :],
+                            mask=tmask[:, None, None] & cmask[None, None, :], other=0.).to(ACC)
+                d_u = tl.sum(post[:, :, None] * g, axis=1)
+                tl.store(D_U + t[:, None] * C + cols[None, :], d_u.to(D_U.dtype.element_ty),
+                         mask=tmask[:, None] & cmask[None, :])
+            d_post += tl.sum(g * u, axis=2)
         tl.store(D_POST + t[:, None] * n + k[None, :], d_post.to(D_POST.dtype.element_ty), mask=tk)
 
 
@@ -842,10 +871,17 @@ def _stream_args(H, XW, W, params, kind):
         H = H.reshape(-1, n, C)
     P = list(params) + [None] * (4 - len(params))
     K, n_perm = _projection_sizes(XW, W, params, kind, n)
-    blocks = dict(BT=stream_tile(n, C, n_perm, H.shape[0]), NP=next_pow2(n), NP1=next_pow2(n + 1),
-                  PP=next_pow2(n_perm), BC=stream_columns(C))
+    hr = rows_of_h(params, kind, n)
+    blocks = dict(BT=stream_tile(n, C, n_perm, H.shape[0], hr), NP=next_pow2(n),
+                  NP1=next_pow2(n + hr), PP=next_pow2(n_perm), BC=stream_columns(C))
     return (H, (None if XW is None else XW.contiguous()), (None if W is None else W.contiguous()),
-            P, (n, C, K, n_perm), blocks)
+            P, (n, C, K, n_perm, hr), blocks)
+
+
+def rows_of_h(params, kind, n):
+    """The rows of A^T that read h (hr): the width's columns beyond the n streams' (HC 1, Frac
+    m = n); the mHC family's 1."""
+    return 1 if kind in MANIFOLD else params[0].shape[-1] - n
 
 
 def _last_update(post_in, u_in):
@@ -865,9 +901,9 @@ def _triton_stream_mix(H: Tensor, post_in: Optional[Tensor], u_in: Optional[Tens
     H, or given the last sublayer's post_in (B, T, n, 1) and update u_in (B, T, C), H' + post_in^T
     u_in with H the last H'."""
     acc, acc_tl = accumulator(H.dtype)
-    H3, XW, W, P, (n, C, K, n_perm), blocks = _stream_args(H, XW, W, params, kind)
+    H3, XW, W, P, (n, C, K, n_perm, hr), blocks = _stream_args(H, XW, W, params, kind)
     N = H3.shape[0]
-    h = H.new_empty((0,) if replay else H.shape[:-2] + (C,))
+    h = H.new_empty((0,) if replay else H.shape[:-2] + (hr * C,))
     mixed = H.new_empty(H.shape)
     # a column: advance adds post u as is
     post = torch.empty(H.shape[:-1] + (1,), device=H.device, dtype=acc)
@@ -889,7 +925,7 @@ def _triton_stream_mix(H: Tensor, post_in: Optional[Tensor], u_in: Optional[Tens
         OUT_MIXED=mixed,  # (B, T, n, C)
         OUT_POST=post,  # (B, T, n, 1)
         i=i, stride_t=H3.stride(0), stride_k=H3.stride(1),
-        N=N, n=n, C=C, K=K, n_perm=n_perm, eps=RMS_EPS,
+        N=N, n=n, C=C, K=K, n_perm=n_perm, hr=hr, eps=RMS_EPS, FRAC=hr > 1,
         LITE=kind in MANIFOLD, DYNAMIC=kind == HC, PROJECT=W is not None, COMBINE=UW is not None,
         SINKHORN=kind == MHC, ITERS=ITERATIONS,
         REPLAY=replay, ADD=post_in is not None, ACC=acc_tl, KP=next_pow2(K), **blocks)
@@ -909,7 +945,8 @@ def _projected_shape(H, XW, UW, W):
 @_triton_stream_mix.register_fake
 def _(H, post_in, u_in, XW, UW, W, params, i, kind, replay):
     acc, C = accumulator(H.dtype)[0], H.shape[-1]
-    return (H.new_empty((0,) if replay else H.shape[:-2] + (C,)), H.new_empty(H.shape),
+    hr = rows_of_h(params, kind, H.shape[-2])
+    return (H.new_empty((0,) if replay else H.shape[:-2] + (hr * C,)), H.new_empty(H.shape),
             H.new_empty(H.shape[:-1] + (1,), dtype=acc),
             H.new_empty(_projected_shape(H, XW, UW, W), dtype=acc))
 
@@ -929,12 +966,12 @@ def _triton_stream_mix_backward(H: Tensor, post_in: Optional[Tensor], u_in: Opti
     share], else []. UW: mHC-lite's u_in [W_1 | .. | W_n] of the forward (see
     _combined_projection)."""
     acc, acc_tl = accumulator(H.dtype)
-    H3, XW, W, P, (n, C, K, n_perm), blocks = _stream_args(H, XW, W, params, kind)
+    H3, XW, W, P, (n, C, K, n_perm, hr), blocks = _stream_args(H, XW, W, params, kind)
     N = H3.shape[0]
     d_H = torch.empty(H.shape, device=H.device, dtype=H.dtype)
     d_XW = torch.empty(XW.shape, device=H.device, dtype=acc) if kind in MANIFOLD else None
     last = _last_outputs(H, post_in, u_in, UW, kind, low)
-    programs, n_part = _stream_parts(kind, n, C, K, n_perm, N)
+    programs, n_part = _stream_parts(kind, n, C, K, n_perm, N, hr)
     parts = torch.empty((programs, n_part), device=H.device, dtype=acc)
     post_last, u_last = _last_update(post_in, u_in)
     _stream_mix_bwd[(programs,)](
@@ -959,7 +996,7 @@ def _triton_stream_mix_backward(H: Tensor, post_in: Optional[Tensor], u_in: Opti
         D_XW=d_XW,  # (N, K) or None
         PART=parts,  # (programs, n_part)
         i=i, stride_t=H3.stride(0), stride_k=H3.stride(1),
-        N=N, n=n, C=C, K=K, n_perm=n_perm, n_part=n_part, eps=RMS_EPS,
+        N=N, n=n, C=C, K=K, n_perm=n_perm, n_part=n_part, hr=hr, eps=RMS_EPS, FRAC=hr > 1,
         LITE=kind in MANIFOLD, DYNAMIC=kind == HC, ADD=post_in is not None, ACC=acc_tl,
         SINKHORN=kind == MHC, ITERS=ITERATIONS, IP=next_pow2(ITERATIONS),
         KP=next_pow2(K), **blocks)
@@ -971,20 +1008,20 @@ def _(H, post_in, u_in, XW, UW, W, params, i, kind, grad_h, grad_mixed, grad_pos
     acc, (n, C), N = accumulator(H.dtype)[0], H.shape[-2:], H.numel() // (H.shape[-2] * H.shape[-1])
     K, n_perm = _projection_sizes(XW, W, params, kind, n)
     return (H.new_empty(H.shape), [XW.new_empty(XW.shape, dtype=acc)] if kind in MANIFOLD else [],
-            H.new_empty(_stream_parts(kind, n, C, K, n_perm, N), dtype=acc),
+            H.new_empty(_stream_parts(kind, n, C, K, n_perm, N, rows_of_h(params, kind, n)), dtype=acc),
             [t for t in _last_outputs(H, post_in, u_in, UW, kind, low) if t is not None])
 
 
-def _stream_parts(kind, n, C, K, n_perm, N):
+def _stream_parts(kind, n, C, K, n_perm, N, hr):
     """The stream backward's partial sums: (programs, numbers a program), [alpha | bias] of
     the mHC family, [width | depth | s_a, s_b | W (C, K)] of HC ([width | depth] of static HC)."""
     if kind in MANIFOLD:
         n_part = 3 + 2 * n + n_perm
     elif kind == HC:
-        n_part = n * (n + 1) + n + (2 + C * K)
+        n_part = n * (n + hr) + n + (2 + C * K)
     else:
-        n_part = n * (n + 1) + n
-    return reduction_programs(-(-N // stream_tile(n, C, n_perm, N))), n_part
+        n_part = n * (n + hr) + n
+    return reduction_programs(-(-N // stream_tile(n, C, n_perm, N, hr))), n_part
 
 
 def _last_outputs(H, post_in, u_in, UW, kind, low):
@@ -1005,8 +1042,8 @@ def _last_outputs(H, post_in, u_in, UW, kind, low):
 @torch.library.custom_op('resroute::advance_backward', mutates_args=())
 def _triton_advance_backward(grad: Tensor, update: Tensor, post: Tensor) -> Tuple[Tensor, Tensor]:
     n, C = grad.shape[-2:]
-    N = update.numel() // C
-    BT = stream_tile(n, C, 1, N)
+    N = grad.numel() // (n * C)
+    BT = stream_tile(n, C, 1, N, 1)
     d_update, d_post = torch.empty_like(update), torch.empty_like(post)
     _advance_bwd[(triton.cdiv(N, BT),)](
         G=grad.contiguous(),  # (..., n, C)
@@ -1017,7 +1054,8 @@ def _triton_advance_backward(grad: Tensor, update: Tensor, post: Tensor) -> Tupl
         N=N,
         n=n,
         C=C,
-        ACC=accumulator(grad.dtype)[1], BT=BT, NP=next_pow2(n), BC=stream_columns(C))
+        FRAC=update.shape[-1] != C, ACC=accumulator(grad.dtype)[1], BT=BT, NP=next_pow2(n),
+        BC=stream_columns(C))
     return d_update, d_post
 
 
