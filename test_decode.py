@@ -146,12 +146,12 @@ def test_a_checkpoint_of_a_method_this_version_lacks_is_one_line(tmp_path, data_
 DECODE_OPERATORS = {
     'torch': {'prenorm': (72, 96), 'rezero': (72, 97), 'layerscale': (80, 97), 'laurel_rw': (88, 98),
               'laurel_lr': (112, 130), 'attnres': (212, 209), 'block_attnres': (188, 193), 'delta_attnres': (201, 189),
-              'wav': (345, 252), 'hc': (157, 298), 'mhc': (811, 261), 'mhc_lite': (179, 262), 'kromhc': (211, 389),
-              'frac': (200, 242), 'mgr': (201, 202), 'denseformer': (87, 133), 'mudd': (141, 146)},
+              'wav': (345, 252), 'hc': (157, 298), 'mhc': (491, 277), 'mhc_lite': (179, 262), 'kromhc': (182, 266),
+              'frac': (155, 298), 'mgr': (201, 202), 'denseformer': (87, 133), 'mudd': (141, 146)},
     'triton': {'prenorm': (72, 96), 'rezero': (72, 97), 'layerscale': (80, 97), 'laurel_rw': (88, 98),
                'laurel_lr': (112, 130), 'attnres': (77, 97), 'block_attnres': (81, 97), 'delta_attnres': (93, 98),
-               'wav': (87, 100), 'hc': (74, 114), 'mhc': (811, 261), 'mhc_lite': (95, 133), 'kromhc': (211, 389),
-               'frac': (200, 242), 'mgr': (76, 99), 'denseformer': (87, 133), 'mudd': (141, 151)},
+               'wav': (87, 100), 'hc': (74, 114), 'mhc': (93, 133), 'mhc_lite': (95, 133), 'kromhc': (96, 137),
+               'frac': (73, 114), 'mgr': (76, 99), 'denseformer': (87, 133), 'mudd': (141, 151)},
 }
 
 

@@ -9,7 +9,7 @@ import kernels
 from conftest import (STREAM_VARIANTS, TRITON_MARKS, fake_sublayers, randomize_routing, rel_rms, routing, tiny_model,
                       two_backwards)
 from kernels import streams
-from kernels.streams import HCStep, MHCStep, StreamSegment
+from kernels.streams import HCStep, ManifoldStep, StreamSegment
 
 
 @pytest.mark.parametrize('residual,knobs', STREAM_VARIANTS)
@@ -61,7 +61,8 @@ def test_every_stream_method_at_one_two_four_and_eight_streams(residual, n, back
 
 
 @pytest.mark.parametrize('residual,knobs,backend', [(*variant, 'torch') for variant in STREAM_VARIANTS] + [
-    pytest.param(*STREAM_VARIANTS[2], 'triton', marks=TRITON_MARKS)])  # (HC's replay is the same code)
+    pytest.param(*STREAM_VARIANTS[2], 'triton', marks=TRITON_MARKS), pytest.param(*STREAM_VARIANTS[4], 'triton', marks=TRITON_MARKS),
+    pytest.param(*STREAM_VARIANTS[6], 'triton', marks=TRITON_MARKS)])  # (HC's replay is the same code as Frac's)
 def test_recomputed_streams_under_bfloat16_autocast(residual, knobs, backend, monkeypatch):
     """Under CPU bfloat16 autocast: the streams the backward rebuilds are bit for bit the ones the
     forward mixed (the replay repeats the forward's ops at its precision), and a tiny model's loss
@@ -72,7 +73,7 @@ def test_recomputed_streams_under_bfloat16_autocast(residual, knobs, backend, mo
 
     def recorded(step, streams, replay):  # the streams of the forward's calls of a step (not the backward's replays)
         return lambda *args: (None if replay(args) else seen.append(streams(args))) or step(*args)
-    for step in (HCStep, MHCStep):  # (self, H, i, saved): saved None in the forward
+    for step in (HCStep, ManifoldStep):  # (self, H, i, saved): saved None in the forward
         monkeypatch.setattr(step, '__call__', recorded(step.__call__, lambda args: args[1].clone(),
                                                        lambda args: len(args) > 3 and args[3] is not None))
     # the kernels' streams (H, post, u): H itself, or the last H' and the update that the kernel adds

@@ -332,7 +332,7 @@ class MHCStep(ManifoldStep):
     backward computes the 40 normalised iterates again from the logits (40 x n^2 numbers a token,
     for the length of one sublayer's backward) and steps back through them, each normalisation's
     backward one operator (_log_softmax_backward_data): 3 operators a normalisation in all, the
-    floor of the iterations written as PyTorch operators."""
+    floor of the iterations written as PyTorch operators. The iterates keep the tokens last."""
 
     def __init__(self, module):
         c = module.coefficients
@@ -340,26 +340,30 @@ class MHCStep(ManifoldStep):
         self.iterations = c.ITERATIONS
 
     def iterates(self, logits):
-        """The 40 normalised iterates log M of Sinkhorn-Knopp (N, n, n), columns first."""
-        log_m, out = logits.view(-1, self.n, self.n), []
+        """The 40 normalised iterates log M of Sinkhorn-Knopp, columns first, with the tokens last
+        (n, n, N): each normalisation reduces over a dimension of n with the N tokens contiguous,
+        which a CPU vectorises (5-15x faster than over the last dimension of (N, n, n))."""
+        n = self.n
+        log_m, out = logits.t().reshape(n, n, -1), []
         for _ in range(self.iterations):
-            out.append(torch.log_softmax(log_m, -2))  # T_c
-            log_m = torch.log_softmax(out[-1], -1)  # T_r
+            out.append(torch.log_softmax(log_m, 0))  # T_c: every column sums to 1
+            log_m = torch.log_softmax(out[-1], 1)  # T_r: every row sums to 1
             out.append(log_m)
         return out
 
     def h_res(self, logits):
-        """H_res (N, n, n) from its logits (N, K - 2n), float32 logits."""
-        return self.iterates(logits)[-1].exp()
+        """H_res (N, n, n) from its logits (N, K - 2n), float32 logits (tokens first again: a
+        batched product with a batch stride of 1 runs matrix by matrix, 2x the step's time)."""
+        return self.iterates(logits)[-1].exp().permute(2, 0, 1).contiguous()
 
     def h_res_backward(self, logits, H_res, grad):
         """The gradient of H_res's logits (N, K - 2n) from H_res's, grad (N, n n), float32."""
-        iterates = self.iterates(logits)
-        g = grad.view(H_res.shape) * H_res  # exp's
+        n, iterates = self.n, self.iterates(logits)
+        g = grad.t().reshape(n, n, -1) * H_res.permute(1, 2, 0)  # exp's
         for k in reversed(range(len(iterates))):  # T_r at odd k, T_c at even k
-            g = torch.ops.aten._log_softmax_backward_data(g, iterates[k], -1 if k % 2 else -2,
-                                                          g.dtype)
-        return g.view(logits.shape)
+            g = torch.ops.aten._log_softmax_backward_data(g, iterates[k], k % 2, g.dtype)
+        return g.view(n * n, -1).t()
+
 
 class MHCLiteStep(ManifoldStep):
     """mHC-lite's H_res = softmax(logits_res) @ permutations, and its backward, by hand."""
