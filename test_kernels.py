@@ -192,7 +192,7 @@ JITFunction.run = capture  # nothing runs: the outputs stay uninitialised, and t
 # (one token per program, as at GPT-2's widths)
 cases = [(name, 16, dtype, autocast) for name in RESIDUALS
          for dtype, autocast in [(torch.float32, False), (torch.float64, False), (torch.float32, True)]]
-cases += [(name, 1024, torch.float32, False) for name in ('block_attnres', 'wav', 'hc', 'mhc_lite', 'mgr', 'mudd')]
+cases += [(name, 1024, torch.float32, False) for name in ('block_attnres', 'wav', 'hc', 'mhc_lite', 'mhc', 'frac', 'mgr', 'mudd')]
 for name, width, dtype, autocast in cases:
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2, n_embd=width, n_head=2, block_size=8, vocab_size=32, residual=name)).to(dtype)
