@@ -97,8 +97,8 @@ if triton is not None:
                     BT: tl.constexpr, NP: tl.constexpr, NP1: tl.constexpr):
         """HC's connections of the tokens t (BT,): A^T (BT, NP1, NP) (rows 0..hr-1 read h: HC's
         one, Frac's m; rows hr..hr+n-1 the streams H') and post (BT, NP), from XW ((n, K) per token,
-        K = hr + n + 1) and r: 1/RMS per stream (BT, NP). Also returns what the backward needs: P^T, its tanh, the depth column's P and tanh
-        (zeros for static HC)."""
+        K = hr + n + 1) and r: 1/RMS per stream (BT, NP). Also returns what the backward needs:
+        P^T, its tanh, the depth column's P and tanh (zeros for static HC)."""
         k, j = tl.arange(0, NP), tl.arange(0, NP1)
         kmask, jmask = k < n, j < n + hr
         m2 = jmask[:, None] & kmask[None, :]
@@ -123,6 +123,19 @@ if triton is not None:
         return AT, post, PT, TT, pb, tb
 
     @triton.jit
+    def _manifold_gates(XW, P0, P1, t, tk, k, kmask, r, n, K, ACC: tl.constexpr):
+        """The mHC family's gates of the tokens t from XW ((K,) per token) and r, 1/RMS of the
+        flattened streams (BT,): a_res, P's pre and post parts, H_pre and H_post (BT, NP)."""
+        a_pre, a_post, a_res = tl.load(P0).to(ACC), tl.load(P0 + 1).to(ACC), tl.load(P0 + 2).to(ACC)
+        p_pre = r[:, None] * tl.load(XW + t[:, None] * K + k[None, :], mask=tk, other=0.).to(ACC)
+        p_post = r[:, None] * tl.load(XW + t[:, None] * K + n + k[None, :], mask=tk,
+                                      other=0.).to(ACC)
+        h_pre = _sigmoid(a_pre * p_pre + tl.load(P1 + k, mask=kmask, other=0.).to(ACC)[None, :])
+        post = 2 * _sigmoid(a_post * p_post
+                            + tl.load(P1 + n + k, mask=kmask, other=0.).to(ACC)[None, :])
+        return a_res, p_pre, p_post, h_pre, post
+
+    @triton.jit
     def _lite_connect(XW,  # (N, K), K = 2n + n!
                       P0,  # alpha (3,)
                       P1,  # bias (K,)
@@ -142,15 +155,10 @@ if triton is not None:
         k, j, p = tl.arange(0, NP), tl.arange(0, NP1), tl.arange(0, PP)
         kmask, jmask, pmask = k < n, j < n + 1, p < n_perm
         tk, tp = tmask[:, None] & kmask[None, :], tmask[:, None] & pmask[None, :]
-        a_pre, a_post, a_res = tl.load(P0).to(ACC), tl.load(P0 + 1).to(ACC), tl.load(P0 + 2).to(ACC)
-        p_pre = r[:, None] * tl.load(XW + t[:, None] * K + k[None, :], mask=tk, other=0.).to(ACC)
-        p_post = r[:, None] * tl.load(XW + t[:, None] * K + n + k[None, :], mask=tk,
-                                      other=0.).to(ACC)
+        a_res, p_pre, p_post, h_pre, post = _manifold_gates(XW, P0, P1, t, tk, k, kmask, r, n, K,
+                                                            ACC)
         p_res = r[:, None] * tl.load(XW + t[:, None] * K + 2 * n + p[None, :], mask=tp,
                                      other=0.).to(ACC)
-        h_pre = _sigmoid(a_pre * p_pre + tl.load(P1 + k, mask=kmask, other=0.).to(ACC)[None, :])
-        post = 2 * _sigmoid(a_post * p_post
-                            + tl.load(P1 + n + k, mask=kmask, other=0.).to(ACC)[None, :])
         bias_res = tl.load(P1 + 2 * n + p, mask=pmask, other=0.).to(ACC)
         z = tl.where(pmask[None, :], a_res * p_res + bias_res[None, :], float('-inf'))
         w = tl.exp(z - tl.max(z, axis=1)[:, None])
@@ -192,13 +200,8 @@ if triton is not None:
         k, j = tl.arange(0, NP), tl.arange(0, NP1)
         kmask = k < n
         tk = tmask[:, None] & kmask[None, :]
-        a_pre, a_post, a_res = tl.load(P0).to(ACC), tl.load(P0 + 1).to(ACC), tl.load(P0 + 2).to(ACC)
-        p_pre = r[:, None] * tl.load(XW + t[:, None] * K + k[None, :], mask=tk, other=0.).to(ACC)
-        p_post = r[:, None] * tl.load(XW + t[:, None] * K + n + k[None, :], mask=tk,
-                                      other=0.).to(ACC)
-        h_pre = _sigmoid(a_pre * p_pre + tl.load(P1 + k, mask=kmask, other=0.).to(ACC)[None, :])
-        post = 2 * _sigmoid(a_post * p_post
-                            + tl.load(P1 + n + k, mask=kmask, other=0.).to(ACC)[None, :])
+        a_res, p_pre, p_post, h_pre, post = _manifold_gates(XW, P0, P1, t, tk, k, kmask, r, n, K,
+                                                            ACC)
         # H_res[a, b] at row j = a + 1, column k = b of A^T
         valid = (j[:, None] >= 1) & (j[:, None] < n + 1) & kmask[None, :]
         at = 2 * n + (j[:, None] - 1) * n + k[None, :]
