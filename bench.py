@@ -68,12 +68,16 @@ CONFIGS = {
     # the CPU study's shape (config/cpu_methods.py), for sweep.py's equal-time columns:
     #   python bench.py --config=cpu_methods --json_path=results/cpu_methods/bench.json
     'cpu_methods': dict(n_layer=6, n_embd=96, n_head=4, block_size=128, batch_size=16),
+    # the depth study's shape (config/cpu_depth.py), one file per depth:
+    #   python bench.py --config=cpu_depth --n_layer=48 --json_path=results/cpu_depth/bench.cpu_depth-n_layer48.json
+    'cpu_depth': dict(n_layer=12, n_embd=64, n_head=4, block_size=128, batch_size=16),
     # for --count_ops (the counts do not depend on the token count): 4 and 12 layers of width 64
     'ops': dict(n_layer=4, n_embd=64, n_head=2, block_size=16, batch_size=1),
     'ops_deep': dict(n_layer=12, n_embd=64, n_head=2, block_size=16, batch_size=1),
 }
 
 config = 'default'  # a key of CONFIGS
+n_layer = 0  # the config's depth where 0, else this many layers (--config=cpu_depth --n_layer=48)
 methods = ','.join(RESIDUALS)  # comma-separated; prenorm is always measured, as the reference
 vocab_size = 96  # a character vocabulary
 steps = 4  # timed steps per method (the median is reported)
@@ -98,6 +102,7 @@ def main(argv):
     cfg, _ = configurator.parse(argv, {**configurator.keys_of(globals()), **method_knobs()}, __doc__)
     configurator.check(cfg, {'steps': (lambda v: v >= 1, 'at least 1'), 'warmup': (lambda v: v >= 0, 'at least 0'),
                              'vocab_size': (lambda v: v >= 2, 'at least 2'),
+                             'n_layer': (lambda v: v >= 0, "at least 1, or 0 for the config's depth"),
                              'compile_scope': (lambda v: v in COMPILE_SCOPES, ' or '.join(COMPILE_SCOPES)),
                              'compile_mode': (lambda v: v in COMPILE_MODES, ' or '.join(COMPILE_MODES)),
                              'mgr_fallback_p': kernels_module.MGR_FALLBACK_P_RULE})
@@ -107,7 +112,7 @@ def main(argv):
         sys.exit(f"error: unknown methods {unknown}; choose from: {', '.join(RESIDUALS)}")
     if cfg['config'] not in CONFIGS:
         sys.exit(f"error: config={cfg['config']!r}; choose one of: {', '.join(CONFIGS)}")
-    shape = dict(CONFIGS[cfg['config']])
+    shape = dict(CONFIGS[cfg['config']], **({'n_layer': cfg['n_layer']} if cfg['n_layer'] else {}))
     B, T = shape.pop('batch_size'), shape['block_size']
     try:
         for name in names:  # every method's knobs checked (GPTConfig) before anything runs

@@ -31,7 +31,8 @@ with a 95% confidence interval (Student t over the per-seed differences). An int
 zero is a difference the seeds resolve.
 
 Equal time: where RESULTS/GRID/bench.json holds `python bench.py --json_path=...` at the grid's shape
-(each method's train-step time x prenorm's, measured isolated), the report adds, per method, the
+(each method's train-step time x prenorm's, measured isolated), or bench.CONFIG.json at one config's
+(cpu_depth: one per depth, as `bench.py --config=cpu_depth --n_layer=48`), the report adds, per method, the
 validation loss its own run had reached once it had used prenorm's total train time (its curve,
 interpolated at prenorm's steps / its step-time ratio; paired with prenorm's final loss, seed by
 seed) and the train time it needed to reach prenorm's final loss, x prenorm's.
@@ -214,7 +215,7 @@ def load_results(grid, results_dir):
     folder = os.path.join(results_dir, grid)
     order = {(r['group'], r['method'], r['seed']): k for k, r in enumerate(runs_of(grid, 'runs'))}
     results = [json.load(open(os.path.join(folder, name))) for name in sorted(os.listdir(folder))
-               if name.endswith('.json') and name != 'bench.json'] if os.path.isdir(folder) else []
+               if name.endswith('.json') and not is_bench(name)] if os.path.isdir(folder) else []
     return sorted(results, key=lambda r: order.get((r['group'], r['method'], r['seed']), len(order)))
 
 
@@ -240,7 +241,8 @@ def paired(diffs):
 
 def comparisons(results, references=REFERENCES):
     """Per (config, method): the final losses by seed, and for each reference the paired difference
-    (mean, 95% half-width, number of seeds) over the seeds both have."""
+    (mean, 95% half-width, number of seeds) over the seeds both have; in the grid's order, or where
+    every config is numbered (cpu_depth), method by method over its configs in number order."""
     losses = {}
     for r in results:
         losses.setdefault((r['group'], r['method']), {})[r['seed']] = r['final']['val_loss']
@@ -254,18 +256,34 @@ def comparisons(results, references=REFERENCES):
             if method != ref and seeds:
                 row['versus'][ref] = (*paired([by_seed[s] - ref_losses[s] for s in seeds]), len(seeds))
         rows.append(row)
+    if None not in {group_number(row['group']) for row in rows}:  # a trend (cpu_depth): a method's depths together
+        order = list(dict.fromkeys(row['method'] for row in rows))
+        rows.sort(key=lambda row: (order.index(row['method']), group_number(row['group'])))
     return rows
 
 
 # ----------------------------------------------------------------------------- equal train time
 
 def step_ratios(grid, results_dir):
-    """Each method's train-step time x prenorm's, from the grid's bench.json (None without one)."""
-    path = os.path.join(results_dir, grid, 'bench.json')
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return {r['method']: r['ratio'] for r in json.load(f)['results']}
+    """Each method's train-step time x prenorm's, by config: {CONFIG: {method: ratio}} from
+    RESULTS/GRID/bench.CONFIG.json, measured at that config's shape (cpu_depth: one per depth), and
+    {None: ...} from bench.json, for every config without its own; {} without any."""
+    folder = os.path.join(results_dir, grid)
+    ratios = {}
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if is_bench(name):
+            with open(os.path.join(folder, name)) as f:
+                ratios[name[len('bench.'):-len('.json')] or None] = {r['method']: r['ratio'] for r in json.load(f)['results']}
+    return ratios
+
+
+def is_bench(name):
+    return name.startswith('bench.') and name.endswith('.json')
+
+
+def ratios_of(ratios, group):
+    """The step-time ratios that hold for a config: its own bench file's, else the grid's bench.json's."""
+    return ratios.get(group, ratios.get(None, {}))
 
 
 def loss_at(curve, step):
@@ -288,22 +306,22 @@ def step_reaching(curve, target):
 
 
 def equal_time(results, ratios, reference='prenorm'):
-    """Per (config, method): the paired difference to the reference's final loss of the loss reached
-    at the reference's train time (mean, 95% half-width, seeds; None where a faster method's run
+    """Per (config, method), with the step-time ratios of its config (step_ratios): the paired
+    difference to the reference's final loss of the loss reached at the reference's train time (mean, 95% half-width, seeds; None where a faster method's run
     ended first), and the train time to the reference's final loss, x the reference's (mean over
     seeds; None where a seed never got there)."""
     runs = {(r['group'], r['method'], r['seed']): r for r in results}
     out = {}
     for (group, method, seed), r in runs.items():
-        ref = runs.get((group, reference, seed))
-        if ref is None or method == reference or method not in ratios:
+        ref, ratio = runs.get((group, reference, seed)), ratios_of(ratios, group)
+        if ref is None or method == reference or method not in ratio or reference not in ratio:
             continue
         total = max(int(i) for i in ref['curve'])
-        at_time = loss_at(r['curve'], total / ratios[method] * ratios[reference])
+        at_time = loss_at(r['curve'], total / ratio[method] * ratio[reference])
         reached = step_reaching(r['curve'], ref['final']['val_loss'])
         entry = out.setdefault((group, method), {'diffs': [], 'times': []})
         entry['diffs'].append(None if at_time is None else at_time - ref['final']['val_loss'])
-        entry['times'].append(None if reached is None else reached * ratios[method] / (total * ratios[reference]))
+        entry['times'].append(None if reached is None else reached * ratio[method] / (total * ratio[reference]))
     return {key: (paired(e['diffs']) + (len(e['diffs']),) if None not in e['diffs'] else None,
                   statistics.mean(e['times']) if None not in e['times'] else None)
             for key, e in out.items()}
@@ -375,7 +393,8 @@ def report(grid, runs_dir, results_dir, references=None):
             fewer = f", {n} paired seeds" if n < len(values) else ''  # the seeds both have, where the reference has fewer
             cells.append(f"{diff:+.4f}{ci} ({verdict(diff, half)}{fewer})")
         if ratios:
-            cells.append(f"{ratios[row['method']]:.2f}" if row['method'] in ratios else '-')
+            ratio = ratios_of(ratios, row['group']).get(row['method'])
+            cells.append('-' if ratio is None else f"{ratio:.2f}")
             at_time, to_loss = timed.get((row['group'], row['method']), (None, None))
             cells.append('-' if at_time is None else f"{at_time[0]:+.4f}" + (
                 f" +- {at_time[1]:.4f} ({verdict(*at_time[:2])})" if at_time[1] is not None else ''))
@@ -388,7 +407,8 @@ def report(grid, runs_dir, results_dir, references=None):
             "'lower' or 'higher' where the interval excludes zero, 'unresolved' where it does not."
             + (f" {len(walls)} runs, {sum(walls) / 3600:.2f} hours of run time in all." if walls else '')
             + ' ' + resolution(rows) + unfinished(everything, missing)
-            + (" Equal time (bench.json): each method's train-step time x prenorm's; the loss its run had reached "
+            + (" Equal time (bench.json, or bench.CONFIG.json for one config): each method's train-step time x "
+               "prenorm's, measured isolated at the config's shape; the loss its run had reached "
                "at prenorm's total train time, paired with prenorm's final loss ('-' where its run ended first); "
                "the train time it took to reach prenorm's final loss, x prenorm's ('-' where a seed never did)."
                if ratios else '') + '\n')
@@ -397,7 +417,7 @@ def report(grid, runs_dir, results_dir, references=None):
     with open(path + '.md', 'w') as f:
         f.write(markdown)
     print(f"wrote {path}.md", file=sys.stderr)
-    plot(results, rows, path + '.png', references)
+    plot(results, rows, path + '.png', references, timed)
     return markdown
 
 
@@ -436,36 +456,78 @@ def group_number(group):
     return int(digits) if digits else None
 
 
-def final_loss_by_group(ax, results, groups, methods, colors):
-    """Final val loss (mean and sd over seeds) against the configs: against their number where every
-    config's name ends in one (the depth trend: val loss against n_layer), else in the grid's order."""
+def configs_axis(ax, groups):
+    """The x axis of the panels over configs: their number on a log2 scale where every config's name
+    ends in one (cpu_depth: n_layer 12, 24, 48), else the configs in the grid's order. Returns each
+    config's position."""
     numbers = [group_number(g) for g in groups]
-    by_number = None not in numbers
+    if None in numbers:
+        ax.set_xticks(range(len(groups)), groups, rotation=15, fontsize=8)
+        ax.set(xlabel='config')
+        return list(range(len(groups)))
+    ax.set_xscale('log', base=2)
+    ax.set_xticks(sorted(numbers), [str(n) for n in sorted(numbers)])
+    ax.set(xlabel=groups[0].rstrip('0123456789').split('-')[-1] or 'config')
+    return numbers
+
+
+def final_loss_by_group(ax, results, groups, methods, styles):
+    """Final val loss (mean and sd over seeds) against the configs (configs_axis: the depth trend is
+    val loss against n_layer), a line per method."""
+    x_of = dict(zip(groups, configs_axis(ax, groups)))
     for method in methods:
         points = []
-        for g, group in enumerate(groups):
+        for group in groups:
             losses = [r['final']['val_loss'] for r in results if (r['group'], r['method']) == (group, method)]
             if losses:
-                points.append((numbers[g] if by_number else g, statistics.mean(losses),
-                               statistics.stdev(losses) if len(losses) > 1 else 0))
+                points.append((x_of[group], statistics.mean(losses), statistics.stdev(losses) if len(losses) > 1 else 0))
         points.sort()
         if points:
             x, mean, sd = zip(*points)
-            ax.errorbar(x, mean, yerr=sd, fmt='o-', capsize=3, color=colors[method], label=method)
-    if by_number:
-        ax.set_xscale('log', base=2)
-        ax.set_xticks(sorted(numbers), [str(n) for n in sorted(numbers)])
-    else:
-        ax.set_xticks(range(len(groups)), groups, rotation=15, fontsize=8)
-    ax.set(title='final val loss, mean and sd over seeds', xlabel='config' if not by_number else
-           groups[0].rstrip('0123456789').split('-')[-1] or 'config', ylabel='val loss (nats)')
-    ax.legend(fontsize=7)
+            ax.errorbar(x, mean, yerr=sd, ls='-', capsize=3, label=method, **styles[method])
+    ax.set(title='final val loss, mean and sd over seeds', ylabel='val loss (nats)')
 
 
-def plot(results, rows, path, references=REFERENCES):
-    """Left: the validation curves, mean over seeds with the min-max band. Where the grid has several
-    configs, the final val loss against them (cpu_depth: against depth). Then, per reference, the
-    paired differences with their 95% intervals (per config, methods side by side)."""
+OFF_SCALE = 0.5  # nats: a difference beyond it is drawn at the panel's edge with its value beside it
+
+
+def differences(ax, title, points, groups, methods, styles):
+    """Paired differences {(config, method): (mean, 95% half-width or None, seeds)} with their
+    intervals against the configs (configs_axis; over numbered configs a line per method), the methods
+    side by side at each config; one beyond OFF_SCALE nats is drawn at the edge, its value written."""
+    x_of = dict(zip(groups, configs_axis(ax, groups)))
+    numbered = None not in map(group_number, groups)
+    shown = [m for m in methods if any((g, m) in points for g in groups)]
+    ends = [0.0]
+    for k, method in enumerate(shown):
+        shift = (k - (len(shown) - 1) / 2) / max(1, len(shown))  # from -0.5 to 0.5
+        xs, ys, halves = [], [], []
+        for group in groups:
+            if (group, method) in points:
+                diff, half, _ = points[(group, method)]
+                xs.append(x_of[group] * 2 ** (0.5 * shift) if numbered else x_of[group] + 0.8 * shift)
+                ys.append(diff)
+                halves.append(half or 0)
+        order = sorted(range(len(xs)), key=xs.__getitem__)
+        xs, ys, halves = [xs[i] for i in order], [ys[i] for i in order], [halves[i] for i in order]
+        inside = [abs(y) <= OFF_SCALE for y in ys]
+        shown_y = [max(-OFF_SCALE, min(OFF_SCALE, y)) for y in ys]
+        ends += [y + s * h if keep else at for y, h, keep, at in zip(ys, halves, inside, shown_y) for s in (-1, 1)]
+        ax.errorbar(xs, shown_y, yerr=[h if keep else 0 for h, keep in zip(halves, inside)], capsize=3,
+                    ls='-' if numbered else '', label=method, **styles[method])
+        for x, y, keep, at in zip(xs, ys, inside, shown_y):
+            if not keep:
+                ax.annotate(f"{y:+.2f}", (x, at), fontsize=6, color=styles[method]['color'])
+    ax.axhline(0, color='grey', lw=0.8)
+    ax.set_ylim(max(-OFF_SCALE, min(ends)) - 0.03, min(OFF_SCALE, max(ends)) + 0.03)
+    ax.set(title=title, ylabel='val loss difference (nats)')
+
+
+def plot(results, rows, path, references=REFERENCES, timed=None):
+    """The validation curves of the first config (mean over seeds, min-max band); where the grid has
+    several configs, the final val loss against them (cpu_depth: against depth); then per reference the
+    paired differences with their 95% intervals, and with bench files (equal_time) the loss each method
+    had at prenorm's train time minus prenorm's final loss; one legend for all."""
     try:
         import matplotlib
         matplotlib.use('Agg')
@@ -475,46 +537,40 @@ def plot(results, rows, path, references=REFERENCES):
         return
     groups = list(dict.fromkeys(r['group'] for r in results))
     methods = list(dict.fromkeys(r['method'] for r in results))
-    palette = plt.cm.tab10 if len(methods) <= 10 else plt.cm.tab20  # a colour of its own for each method, to 20
-    colors = {m: palette(k % palette.N) for k, m in enumerate(methods)}
-    references = [ref for ref in references if any(ref in row['versus'] for row in rows)]
-    trend = len(groups) > 1
-    fig, axes = plt.subplots(1, 1 + trend + len(references), figsize=(6 + 5 * (trend + len(references)), 5),
+    palette = plt.cm.tab10 if len(methods) <= 10 else plt.cm.tab20  # past 20 methods, the markers differ too
+    styles = {m: dict(color=palette(k % palette.N), marker='osD^v'[k // palette.N % 5]) for k, m in enumerate(methods)}
+    panels = [(f"paired difference to {ref}, 95% CI",
+               {(row['group'], row['method']): row['versus'][ref] for row in rows if ref in row['versus']})
+              for ref in references]
+    panels.append(("at prenorm's train time, minus prenorm's final loss, 95% CI",
+                   {key: at for key, (at, _) in (timed or {}).items() if at is not None}))
+    panels = [(title, points) for title, points in panels if points]
+    n = 1 + (len(groups) > 1) + len(panels) + 1  # the curves, the trend, the differences, the legend
+    ncols = n if n <= 3 else math.ceil(n / 2)
+    fig, axes = plt.subplots(math.ceil(n / ncols), ncols, figsize=(5.5 * ncols, 4.5 * math.ceil(n / ncols)),
                              layout='constrained', squeeze=False)
-    axes = axes[0]
-    if trend:
-        final_loss_by_group(axes[1], results, groups, methods, colors)
-        axes = [axes[0], *axes[2:]]
-    ax = axes[0]
-    for group in groups[:1]:  # the curves of the first config (the deepest in cpu_depth)
-        for method in methods:
-            curves = [r['curve'] for r in results if (r['group'], r['method']) == (group, method)]
-            if not curves:
-                continue
-            iters = sorted(set.intersection(*(set(c) for c in curves)), key=int)[1:]  # skip the untrained model
-            values = [[c[i] for c in curves] for i in iters]
-            x = [int(i) for i in iters]
-            ax.plot(x, [statistics.mean(v) for v in values], color=colors[method], label=method)
-            ax.fill_between(x, [min(v) for v in values], [max(v) for v in values], color=colors[method], alpha=0.2)
-        ax.set(title=f"{group}:\nval loss, mean and min-max over seeds", xlabel='iteration', ylabel='val loss (nats)')
-    ax.legend(fontsize=7)
-    for ax, ref in zip(axes[1:], references):
-        compared = [m for m in methods if any(row['method'] == m and ref in row['versus'] for row in rows)]
-        width = 0.8 / max(1, len(compared))
-        for k, method in enumerate(compared):
-            label = method  # on the method's first point (a method may be missing from the first config)
-            for g, group in enumerate(groups):
-                row = next((r for r in rows if (r['group'], r['method']) == (group, method)), None)
-                if row is None or ref not in row['versus']:
-                    continue
-                diff, half, _ = row['versus'][ref]
-                ax.errorbar(g + (k - (len(compared) - 1) / 2) * width, diff, yerr=half or 0, fmt='o', capsize=3,
-                            color=colors[method], label=label)
-                label = None
-        ax.axhline(0, color='grey', lw=0.8)
-        ax.set_xticks(range(len(groups)), groups, rotation=15, fontsize=8)
-        ax.set(title=f"paired difference to {ref}, 95% CI", ylabel='val loss difference (nats)')
-        ax.legend(fontsize=7)
+    axes = list(axes.flat)
+    ax, group = axes.pop(0), groups[0]  # the curves of the first config (the deepest in cpu_depth)
+    for method in methods:
+        curves = [r['curve'] for r in results if (r['group'], r['method']) == (group, method)]
+        if not curves:
+            continue
+        iters = sorted(set.intersection(*(set(c) for c in curves)), key=int)[1:]  # skip the untrained model
+        values = [[c[i] for c in curves] for i in iters]
+        x = [int(i) for i in iters]
+        ax.plot(x, [statistics.mean(v) for v in values], color=styles[method]['color'])
+        ax.fill_between(x, [min(v) for v in values], [max(v) for v in values], color=styles[method]['color'], alpha=0.2)
+    ax.set(title=f"{group}:\nval loss, mean and min-max over seeds", xlabel='iteration', ylabel='val loss (nats)')
+    if len(groups) > 1:
+        final_loss_by_group(axes.pop(0), results, groups, methods, styles)
+    for title, points in panels:
+        differences(axes.pop(0), title, points, groups, methods, styles)
+    legend = axes.pop(0)
+    legend.axis('off')
+    legend.legend(handles=[matplotlib.lines.Line2D([], [], label=m, **styles[m]) for m in methods], loc='center',
+                  ncol=2 if len(methods) > 14 else 1, fontsize=8)
+    for ax in axes:
+        ax.axis('off')
     fig.savefig(path, dpi=100)
     plt.close(fig)
     print(f"wrote {path}", file=sys.stderr)

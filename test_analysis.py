@@ -276,7 +276,7 @@ def test_the_depth_panel_plots_final_loss_against_the_number_in_each_config_name
     losses = {('cpu_depth-n_layer48', 'wav'): [1.0, 1.2], ('cpu_depth-n_layer24', 'wav'): [2.0, 2.0],
               ('cpu_depth-n_layer12', 'wav'): [3.0, 3.4], ('cpu_depth-n_layer12', 'prenorm'): [4.0]}
     results = [dict(group=g, method=m, final=dict(val_loss=v)) for (g, m), vs in losses.items() for v in vs]
-    sweep.final_loss_by_group(Axes(), results, groups, ['wav', 'prenorm'], {'wav': 'r', 'prenorm': 'b'})
+    sweep.final_loss_by_group(Axes(), results, groups, ['wav', 'prenorm'], {'wav': dict(color='r'), 'prenorm': {}})
     sd = [round(0.2 * math.sqrt(2), 6), 0.0, round(0.1 * math.sqrt(2), 6)]
     assert calls == [('wav', [12, 24, 48], [3.2, 2.0, 1.1], sd), ('prenorm', [12], [4.0], [0])]
     assert sweep.group_number('cpu_study') is None and sweep.group_number('text8_12l') is None
@@ -307,6 +307,65 @@ def test_sweep_report_at_equal_train_time(tmp_path, monkeypatch):
     hc = next(line for line in markdown.splitlines() if '| hc |' in line)
     assert hc.endswith('| 0.50 | - | 0.25 |')  # its run ended first; 1.0 at step 100, half prenorm's time a step
     assert sweep.loss_at({'0': 3.0, '100': 2.0}, 150) is None and sweep.step_reaching({'0': 3.0, '100': 2.0}, 1.0) is None
+
+
+def test_each_depth_takes_its_own_bench_file_and_a_methods_depths_are_listed_together(tmp_path, monkeypatch):
+    """The depth study's step times differ by depth: bench.CONFIG.json holds for its config, the
+    grid's bench.json for the others; the rows go method by method, each over its depths in order."""
+    monkeypatch.setitem(sweep.GRIDS, 'deep', dict(parts=[dict(
+        configs=['c.py --n_layer=24', 'c.py --n_layer=12'], variants=['--residual=prenorm', '--residual=wav'],
+        seeds=[0, 1])]))
+    folder = tmp_path / 'results' / 'deep'
+    folder.mkdir(parents=True)
+    for group in ('c-n_layer24', 'c-n_layer12'):
+        for method, losses in (('prenorm', [3.0, 2.0, 1.0]), ('wav', [3.0, 1.5, 0.75])):
+            for seed in (0, 1):
+                curve = {str(100 * k): v + 0.1 * seed for k, v in enumerate(losses)}
+                result = dict(grid='deep', group=group, method=method, seed=seed, args=[], wall_s=1.0,
+                              final={'iter': 200, 'val_loss': curve['200']}, curve=curve)
+                (folder / f'{group}-{method}-seed{seed}.json').write_text(json.dumps(result))
+    bench = lambda ratio: json.dumps({'results': [{'method': 'prenorm', 'ratio': 1.0}, {'method': 'wav', 'ratio': ratio}]})
+    (folder / 'bench.json').write_text(bench(1.0))
+    (folder / 'bench.c-n_layer12.json').write_text(bench(2.0))
+    markdown = sweep.report('deep', str(tmp_path / 'runs'), str(tmp_path / 'results'))
+    rows = [line.split(' | ')[:2] for line in markdown.splitlines()[2:] if line.startswith('| c-')]
+    assert rows == [['| c-n_layer12', 'prenorm'], ['| c-n_layer24', 'prenorm'], ['| c-n_layer12', 'wav'],
+                    ['| c-n_layer24', 'wav']]
+    wav = [line for line in markdown.splitlines() if '| wav |' in line]
+    # at 12 layers wav's step takes 2x prenorm's: prenorm's 200 steps' time takes it to step 100 (1.5 against
+    # 1.0; 1.0 at step 100 + 100 * 0.5 / 0.75, 2x the time a step); at 24 layers to its own end
+    assert wav[0].endswith(f"| 2.00 | +0.5000 +- 0.0000 (higher) | {2 * (100 + 100 * 0.5 / 0.75) / 200:.2f} |")
+    assert wav[1].endswith(f"| 1.00 | -0.2500 +- 0.0000 (lower) | {(100 + 100 * 0.5 / 0.75) / 200:.2f} |")
+    assert not list(folder.glob('*.bench*')) and len(sweep.load_results('deep', str(tmp_path / 'results'))) == 8
+
+
+def test_the_differences_panel_puts_each_depth_at_its_number_and_clips_what_is_off_scale():
+    """Over numbered configs: a line per method at its depths (side by side: the first method a
+    quarter-octave left of the depth, the last right), the off-scale point at the panel's edge with
+    its value written, and the y range the in-scale intervals' with a margin."""
+    drawn, notes, limits = [], [], []
+
+    class Axes:
+        def errorbar(self, x, y, yerr, label, ls, **_):
+            drawn.append((label, [round(v, 4) for v in x], list(y), list(yerr), ls))
+
+        def annotate(self, text, xy, **_):
+            notes.append((text, xy[1]))
+
+        def set_ylim(self, lo, hi):
+            limits.append((round(lo, 4), round(hi, 4)))
+
+        def __getattr__(self, name):
+            return lambda *args, **kwargs: None
+    points = {('d-n_layer48', 'wav'): (-0.1, 0.05, 3), ('d-n_layer12', 'wav'): (-0.2, 0.1, 3),
+              ('d-n_layer48', 'mudd'): (0.9, 0.4, 3), ('d-n_layer12', 'mudd'): (0.1, None, 1)}
+    styles = {'wav': dict(color='r'), 'mudd': dict(color='b'), 'hc': dict(color='g')}
+    sweep.differences(Axes(), 'title', points, ['d-n_layer48', 'd-n_layer12'], ['wav', 'hc', 'mudd'], styles)
+    left, right = 2 ** -0.125, 2 ** 0.125  # two methods shown: shifts of -1/4 and +1/4, half an octave in all
+    assert drawn == [('wav', [round(12 * left, 4), round(48 * left, 4)], [-0.2, -0.1], [0.1, 0.05], '-'),
+                     ('mudd', [round(12 * right, 4), round(48 * right, 4)], [0.1, sweep.OFF_SCALE], [0, 0], '-')]
+    assert notes == [('+0.90', sweep.OFF_SCALE)]
+    assert limits == [(-0.33, sweep.OFF_SCALE + 0.03)]
 
 
 def test_activations_of_silent_sublayers_are_the_embedding_at_every_depth():
@@ -395,7 +454,7 @@ def test_a_report_other_than_the_grids_own_goes_beside_it(tmp_path, monkeypatch)
                           final={'iter': 100, 'val_loss': loss}, curve={'0': 3.0, '100': loss})
             (folder / f'c-{method}-seed{seed}.json').write_text(json.dumps(result))
     plots = []
-    monkeypatch.setattr(sweep, 'plot', lambda results, rows, path, references: plots.append(Path(path).name))
+    monkeypatch.setattr(sweep, 'plot', lambda results, rows, path, references, timed: plots.append(Path(path).name))
     report = lambda *references: sweep.report('fake', str(tmp_path / 'runs'), str(tmp_path / 'results'), references)
     own = report()
     assert (folder / 'results.md').read_text() == own and '| vs wav:' in own and report('prenorm', 'wav') == own
