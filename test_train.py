@@ -494,3 +494,17 @@ def test_bench_takes_every_methods_knobs_and_checks_them_first():
     assert 'must be a power of 2' in exit_message(bench.main, ['--methods=kromhc', '--hc_streams=6'])
     assert 'needs more than 7 sublayers' in exit_message(bench.main, ['--config=tiny', '--methods=mgr', '--mgr_streams=8'])
     assert "unknown key 'hc_stream'" in exit_message(bench.main, ['--hc_stream=8'])
+
+
+def test_bench_times_a_config_at_another_depth():
+    """--n_layer replaces the config's depth (the depth study's step times, one depth at a time): one
+    more layer is one more block's parameters; 0 keeps the config's."""
+    import bench
+    from model import GPT, GPTConfig
+    args = ['--config=tiny', '--methods=prenorm', '--steps=1', '--warmup=0']
+    tiny = {k: v for k, v in bench.CONFIGS['tiny'].items() if k != 'batch_size'}
+    size = lambda n: GPT(GPTConfig(**dict(tiny, n_layer=n), vocab_size=bench.vocab_size)).get_num_params()
+    block = size(2) - size(1)
+    params = [bench.main([*args, f'--n_layer={n}'])[0]['params'] for n in (0, 3)]
+    assert params[1] - params[0] == (3 - tiny['n_layer']) * block and block > 0
+    assert "n_layer=-1 is out of range" in exit_message(bench.main, ['--config=tiny', '--n_layer=-1'])
