@@ -505,7 +505,7 @@ def differences(ax, title, points, groups, methods, styles):
         for group in groups:
             if (group, method) in points:
                 diff, half, _ = points[(group, method)]
-                xs.append(x_of[group] * 2 ** (0.5 * shift) if numbered else x_of[group] + 0.8 * shift)
+                xs.append(x_of[group] * 2 ** (0.3 * shift) if numbered else x_of[group] + 0.8 * shift)
                 ys.append(diff)
                 halves.append(half or 0)
         order = sorted(range(len(xs)), key=xs.__getitem__)
@@ -520,7 +520,7 @@ def differences(ax, title, points, groups, methods, styles):
                 ax.annotate(f"{y:+.2f}", (x, at), fontsize=6, color=styles[method]['color'])
     ax.axhline(0, color='grey', lw=0.8)
     ax.set_ylim(max(-OFF_SCALE, min(ends)) - 0.03, min(OFF_SCALE, max(ends)) + 0.03)
-    ax.set(title=title, ylabel='val loss difference (nats)')
+    ax.set(title=title, ylabel='val loss difference (nats; below 0: lower)')
 
 
 def plot(results, rows, path, references=REFERENCES, timed=None):
@@ -537,8 +537,7 @@ def plot(results, rows, path, references=REFERENCES, timed=None):
         return
     groups = list(dict.fromkeys(r['group'] for r in results))
     methods = list(dict.fromkeys(r['method'] for r in results))
-    palette = plt.cm.tab10 if len(methods) <= 10 else plt.cm.tab20  # past 20 methods, the markers differ too
-    styles = {m: dict(color=palette(k % palette.N), marker='osD^v'[k // palette.N % 5]) for k, m in enumerate(methods)}
+    styles = {m: dict(color=plt.cm.tab10(k % 10), marker='osD^v'[k // 10 % 5]) for k, m in enumerate(methods)}
     panels = [(f"paired difference to {ref}, 95% CI",
                {(row['group'], row['method']): row['versus'][ref] for row in rows if ref in row['versus']})
               for ref in references]

@@ -340,9 +340,9 @@ def test_each_depth_takes_its_own_bench_file_and_a_methods_depths_are_listed_tog
 
 
 def test_the_differences_panel_puts_each_depth_at_its_number_and_clips_what_is_off_scale():
-    """Over numbered configs: a line per method at its depths (side by side: the first method a
-    quarter-octave left of the depth, the last right), the off-scale point at the panel's edge with
-    its value written, and the y range the in-scale intervals' with a margin."""
+    """Over numbered configs: a line per method at its depths (side by side: with two methods, the
+    first 0.075 octave left of the depth, the other right), the off-scale point at the panel's edge
+    with its value written, and the y range the in-scale intervals' with a margin."""
     drawn, notes, limits = [], [], []
 
     class Axes:
@@ -361,7 +361,7 @@ def test_the_differences_panel_puts_each_depth_at_its_number_and_clips_what_is_o
               ('d-n_layer48', 'mudd'): (0.9, 0.4, 3), ('d-n_layer12', 'mudd'): (0.1, None, 1)}
     styles = {'wav': dict(color='r'), 'mudd': dict(color='b'), 'hc': dict(color='g')}
     sweep.differences(Axes(), 'title', points, ['d-n_layer48', 'd-n_layer12'], ['wav', 'hc', 'mudd'], styles)
-    left, right = 2 ** -0.125, 2 ** 0.125  # two methods shown: shifts of -1/4 and +1/4, half an octave in all
+    left, right = 2 ** -0.075, 2 ** 0.075  # two methods shown: shifts of -1/4 and +1/4 of 0.3 octave
     assert drawn == [('wav', [round(12 * left, 4), round(48 * left, 4)], [-0.2, -0.1], [0.1, 0.05], '-'),
                      ('mudd', [round(12 * right, 4), round(48 * right, 4)], [0.1, sweep.OFF_SCALE], [0, 0], '-')]
     assert notes == [('+0.90', sweep.OFF_SCALE)]
