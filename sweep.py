@@ -22,7 +22,8 @@ results/): small files to commit, from which --report rebuilds the table and the
 The report is RESULTS/GRID/results.md and results.png when it is the grid's own, the one committed:
 at the grid's references, with a row for each of its configs and methods. Any other goes beside it,
 named for what differs (results.prenorm-mudd.md for other references, results.unfinished.md where a
-method has no run yet, e.g. one registered since), and the committed one stays as it was.
+run has no result yet: a grid still running, or a method registered since), and the committed one
+stays as it was.
 
 The comparison is paired. Runs of different methods with the same seed share the initial weights
 of the shared modules and the data order, so for each method and config the report takes, seed by
@@ -428,22 +429,25 @@ def references_of(grid):
 def report_name(grid, references, missing):
     """'results' for the grid's own report, the one committed: at its references, with a row for each
     of its (config, method) pairs. Any other is named for what differs (results.prenorm-mudd for other
-    references, results.unfinished where a method has no run yet), so that it never overwrites it."""
+    references, results.unfinished where a run has no result yet), so that it never overwrites it."""
     own = tuple(references) == references_of(grid)
     return 'results' + ('' if own else '.' + '-'.join(references)) + ('.unfinished' if missing else '')
 
 
 def not_run(grid, results):
-    """The grid's (config, method) pairs with no result file yet, as 'method (config)' (none where a
-    grid was given on the command line without its spec)."""
-    have = {(r['group'], r['method']) for r in results}
-    return list(dict.fromkeys(f"{run['method']} ({run['group']})" for run in runs_of(grid, 'runs')
-                              if (run['group'], run['method']) not in have))
+    """The grid's runs with no result file yet, as 'method (config, seeds 4, 5)' (none where a grid
+    was given on the command line without its spec)."""
+    have = {(r['group'], r['method'], r['seed']) for r in results}
+    seeds = {}
+    for run in runs_of(grid, 'runs'):
+        if (run['group'], run['method'], run['seed']) not in have:
+            seeds.setdefault((run['group'], run['method']), []).append(str(run['seed']))
+    return [f"{method} ({group}, seed{'s' * (len(s) > 1)} {', '.join(s)})" for (group, method), s in seeds.items()]
 
 
 def unfinished(results, missing):
     """The sentences on what the report leaves out: runs that diverged (a loss that was not finite),
-    and the (config, method) pairs with no result file yet."""
+    and the runs with no result file yet."""
     diverged = [f"{r['method']} ({r['group']}, seed {r['seed']}, at iter {r['diverged_at']})"
                 for r in results if r['final'] is None]
     return ((f" Diverged, left out of the comparisons: {'; '.join(diverged)}." if diverged else '')

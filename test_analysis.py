@@ -435,7 +435,7 @@ def test_a_grid_on_the_command_line_reports_its_diverged_runs_and_the_methods_no
     assert 'Diverged, left out of the comparisons: hc-hc_streams2-learning_rate1e12' in markdown
     del sweep.GRIDS['mine']
     sweep.main(['mine', '--report', *dirs, *spec[:2], spec[2] + '; --residual=laurel_rw'])  # one more method
-    assert 'Not run yet (no result file): laurel_rw (tiny).' in (folder / 'results.unfinished.md').read_text()
+    assert 'Not run yet (no result file): laurel_rw (tiny, seed 0).' in (folder / 'results.unfinished.md').read_text()
     assert (folder / 'results.md').read_text() == markdown
 
 
@@ -462,7 +462,7 @@ def test_a_report_other_than_the_grids_own_goes_beside_it(tmp_path, monkeypatch)
     assert (folder / 'results.prenorm-mudd.md').read_text() == other and '| vs mudd:' in other
     monkeypatch.setitem(sweep.RESIDUALS, 'newcomer', object)  # registered: it joins the grid, with no runs yet
     unfinished = report()
-    assert 'Not run yet (no result file): newcomer (c).' in unfinished
+    assert 'Not run yet (no result file): newcomer (c, seeds 0, 1).' in unfinished
     assert (folder / 'results.unfinished.md').read_text() == unfinished
     assert (folder / 'results.md').read_text() == own
     assert plots == ['results.png', 'results.png', 'results.prenorm-mudd.png', 'results.unfinished.png']
