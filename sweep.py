@@ -287,6 +287,19 @@ def ratios_of(ratios, group):
     return ratios.get(group, ratios.get(None, {}))
 
 
+SCHEDULE = ('learning_rate', 'min_lr', 'warmup_iters', 'lr_decay_iters', 'weight_decay', 'beta1', 'beta2')
+
+
+def timed_as(result):
+    """The method whose step-time ratio a run takes: its own, less the optimizer schedule's arguments
+    (a learning rate changes no step's work), so that mudd at another rate takes mudd's ratio."""
+    method = result['method']
+    for arg in result['args']:
+        if arg.startswith('--') and arg[2:].partition('=')[0] in SCHEDULE:
+            method = method.replace(f"-{arg_name(arg)}", '')
+    return method
+
+
 def loss_at(curve, step):
     """The validation loss of a curve {iter: loss} at a step, linear between evaluations; past the
     run's end, None."""
@@ -314,15 +327,15 @@ def equal_time(results, ratios, reference='prenorm'):
     runs = {(r['group'], r['method'], r['seed']): r for r in results}
     out = {}
     for (group, method, seed), r in runs.items():
-        ref, ratio = runs.get((group, reference, seed)), ratios_of(ratios, group)
-        if ref is None or method == reference or method not in ratio or reference not in ratio:
+        ref, ratio, timed = runs.get((group, reference, seed)), ratios_of(ratios, group), timed_as(r)
+        if ref is None or method == reference or timed not in ratio or reference not in ratio:
             continue
         total = max(int(i) for i in ref['curve'])
-        at_time = loss_at(r['curve'], total / ratio[method] * ratio[reference])
+        at_time = loss_at(r['curve'], total / ratio[timed] * ratio[reference])
         reached = step_reaching(r['curve'], ref['final']['val_loss'])
         entry = out.setdefault((group, method), {'diffs': [], 'times': []})
         entry['diffs'].append(None if at_time is None else at_time - ref['final']['val_loss'])
-        entry['times'].append(None if reached is None else reached * ratio[method] / (total * ratio[reference]))
+        entry['times'].append(None if reached is None else reached * ratio[timed] / (total * ratio[reference]))
     return {key: (paired(e['diffs']) + (len(e['diffs']),) if None not in e['diffs'] else None,
                   statistics.mean(e['times']) if None not in e['times'] else None)
             for key, e in out.items()}
@@ -376,6 +389,7 @@ def report(grid, runs_dir, results_dir, references=None):
     rows = comparisons(results, references)
     ratios = step_ratios(grid, results_dir)
     timed = equal_time(results, ratios) if ratios else {}
+    timed_method = {(r['group'], r['method']): timed_as(r) for r in results}
     head = ' | '.join(f"vs {ref}: mean diff +- 95% CI" for ref in references)
     extra = " step time x prenorm | at prenorm's time: vs prenorm | time to prenorm's loss |" if ratios else ''
     lines = [f"| config | method | seeds | val loss (nats) | bpc | {head} |" + extra,
@@ -394,7 +408,7 @@ def report(grid, runs_dir, results_dir, references=None):
             fewer = f", {n} paired seeds" if n < len(values) else ''  # the seeds both have, where the reference has fewer
             cells.append(f"{diff:+.4f}{ci} ({verdict(diff, half)}{fewer})")
         if ratios:
-            ratio = ratios_of(ratios, row['group']).get(row['method'])
+            ratio = ratios_of(ratios, row['group']).get(timed_method[row['group'], row['method']])
             cells.append('-' if ratio is None else f"{ratio:.2f}")
             at_time, to_loss = timed.get((row['group'], row['method']), (None, None))
             cells.append('-' if at_time is None else f"{at_time[0]:+.4f}" + (
@@ -408,10 +422,10 @@ def report(grid, runs_dir, results_dir, references=None):
             "'lower' or 'higher' where the interval excludes zero, 'unresolved' where it does not."
             + (f" {len(walls)} runs, {sum(walls) / 3600:.2f} hours of run time in all." if walls else '')
             + ' ' + resolution(rows) + unfinished(everything, missing)
-            + (" Equal time (bench.json, or bench.CONFIG.json for one config): each method's train-step time x "
-               "prenorm's, measured isolated at the config's shape; the loss its run had reached "
-               "at prenorm's total train time, paired with prenorm's final loss ('-' where its run ended first); "
-               "the train time it took to reach prenorm's final loss, x prenorm's ('-' where a seed never did)."
+            + (" Equal time (bench.json, or bench.CONFIG.json for one config): each method's train-step time x prenorm's, "
+               "measured isolated at the config's shape (a variant of the learning-rate schedule alone takes its method's); "
+               "the loss its run had reached at prenorm's total train time, paired with prenorm's final loss ('-' where its "
+               "run ended first); the train time it took to reach prenorm's final loss, x prenorm's ('-' where a seed never did)."
                if ratios else '') + '\n')
     markdown = '\n'.join(lines) + '\n' + note
     path = os.path.join(results_dir, grid, report_name(grid, references, missing))

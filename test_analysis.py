@@ -309,6 +309,27 @@ def test_sweep_report_at_equal_train_time(tmp_path, monkeypatch):
     assert sweep.loss_at({'0': 3.0, '100': 2.0}, 150) is None and sweep.step_reaching({'0': 3.0, '100': 2.0}, 1.0) is None
 
 
+def test_a_learning_rate_variant_takes_its_methods_step_time_and_another_setting_does_not(tmp_path, monkeypatch):
+    """A rate changes no step's work, so wav at another rate is timed as wav; a stream count changes
+    it, so hc with 8 streams, absent from the bench file, has no equal-time figure."""
+    variants = ['--residual=prenorm', '--residual=wav --learning_rate=1e-3 --min_lr=1e-4', '--residual=hc --hc_streams=8']
+    monkeypatch.setitem(sweep.GRIDS, 'fake', dict(parts=[dict(configs=['c.py'], variants=variants, seeds=[0])]))
+    folder = tmp_path / 'results' / 'fake'
+    folder.mkdir(parents=True)
+    for run in sweep.runs_of('fake', str(tmp_path / 'runs')):
+        losses = [3.0, 2.0, 1.0] if run['method'] == 'prenorm' else [3.0, 1.5, 0.8]
+        result = dict(grid='fake', group=run['group'], method=run['method'], seed=0, args=run['args'][:-1],
+                      wall_s=1.0, final={'iter': 200, 'val_loss': losses[-1]},
+                      curve={str(100 * k): v for k, v in enumerate(losses)})
+        (folder / (Path(run['out_dir']).name + '.json')).write_text(json.dumps(result))
+    bench = {'results': [{'method': 'prenorm', 'ratio': 1.0}, {'method': 'wav', 'ratio': 2.0}, {'method': 'hc', 'ratio': 1.5}]}
+    (folder / 'bench.json').write_text(json.dumps(bench))
+    lines = sweep.report('fake', str(tmp_path / 'runs'), str(tmp_path / 'results')).splitlines()
+    wav = next(line for line in lines if '| wav-learning_rate1e-3-min_lr1e-4 |' in line)
+    assert wav.endswith(f"| 2.00 | +0.5000 | {(100 + 100 * 0.5 / 0.7) * 2 / 200:.2f} |")  # step 100 of its curve at prenorm's time
+    assert next(line for line in lines if '| hc-hc_streams8 |' in line).endswith('| - | - | - |')
+
+
 def test_each_depth_takes_its_own_bench_file_and_a_methods_depths_are_listed_together(tmp_path, monkeypatch):
     """The depth study's step times differ by depth: bench.CONFIG.json holds for its config, the
     grid's bench.json for the others; the rows go method by method, each over its depths in order."""
