@@ -20,7 +20,7 @@ import residuals
 import train
 from conftest import (BACKENDS, KNOB_VALUES, METHODS, ROOT, VARIANTS, on_backends, on_paths, README, REAL_TEXT, TINY_TRAIN,
                       fake_sublayers, randomize_routing, rel_rms, routing, tiny_model, unigram_entropy)
-from model import GPT, GPTConfig, method_knobs
+from model import GPTConfig, method_knobs
 from residuals import RESIDUALS, DepthAttention
 
 
