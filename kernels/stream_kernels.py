@@ -173,14 +173,32 @@ if triton is not None:
         return AT, post, perm, w, p_pre, p_post, p_res, h_pre
 
     @triton.jit
-    def _log_normalise(lm, valid, AXIS: tl.constexpr):
-        """lm - logsumexp(lm) along AXIS (its entries outside `valid`: -inf, and kept so), and the
-        log-sum-exp subtracted (0 on a line with no valid entry)."""
-        line = tl.max(valid.to(tl.int32), axis=AXIS) > 0
-        top = tl.where(line, tl.max(lm, axis=AXIS), 0.)
-        total = tl.sum(tl.exp(lm - tl.expand_dims(top, AXIS)), axis=AXIS)
-        lse = tl.where(line, top + tl.log(tl.where(line, total, 1.)), 0.)
-        return tl.where(valid, lm - tl.expand_dims(lse, AXIS), float('-inf')), lse
+    def _sinkhorn(z, valid, ACC: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr, NP1: tl.constexpr,
+                  ITERS: tl.constexpr, IP: tl.constexpr):
+        """ITERS Sinkhorn iterations on the logits z (BT, NP1, NP) in the log domain, columns then
+        rows, its entries outside `valid` -inf and kept so: the last iterate, and the log-sum-exp each
+        normalisation subtracted, per column (BT, IP, NP) and per row (BT, IP, NP1), for the
+        backward (0 on a line with no valid entry). (The normalisations are written out, not called:
+        Triton's interpreter pays for every call of a jit function.)"""
+        col_in = tl.max(valid.to(tl.int32), axis=1) > 0  # the columns (BT, NP) with a valid entry
+        row_in = tl.max(valid.to(tl.int32), axis=2) > 0  # the rows (BT, NP1)
+        it = tl.arange(0, IP)
+        cols = tl.zeros((BT, IP, NP), ACC)
+        rows = tl.zeros((BT, IP, NP1), ACC)
+        lm = z
+        for q in range(ITERS):
+            now = it[None, :, None] == q
+            top = tl.where(col_in, tl.max(lm, axis=1), 0.)  # T_c: every column sums to 1
+            total = tl.where(col_in, tl.sum(tl.exp(lm - top[:, None, :]), axis=1), 1.)
+            lse = tl.where(col_in, top + tl.log(total), 0.)
+            lm = tl.where(valid, lm - lse[:, None, :], float('-inf'))
+            cols = tl.where(now, lse[:, None, :], cols)
+            top = tl.where(row_in, tl.max(lm, axis=2), 0.)  # T_r: every row sums to 1
+            total = tl.where(row_in, tl.sum(tl.exp(lm - top[:, :, None]), axis=2), 1.)
+            lse = tl.where(row_in, top + tl.log(total), 0.)
+            lm = tl.where(valid, lm - lse[:, :, None], float('-inf'))
+            rows = tl.where(now, lse[:, None, :], rows)
+        return lm, cols, rows
 
     @triton.jit
     def _sinkhorn_connect(XW,  # (N, K), K = 2n + n^2
@@ -191,8 +209,8 @@ if triton is not None:
                           r,
                           n,
                           K,
-                          ACC: tl.constexpr,
-                          NP: tl.constexpr, NP1: tl.constexpr, ITERS: tl.constexpr):
+                          ACC: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr,
+                          NP1: tl.constexpr, ITERS: tl.constexpr, IP: tl.constexpr):
         """mHC's connections of the tokens t, as _lite_connect's: A^T (BT, NP1, NP) (row 0 H_pre,
         rows 1..n H_res from the logits by ITERS Sinkhorn iterations, columns then rows, in the log
         domain) and post, and what the backward needs: the res logits (BT, NP1, NP) (-inf outside),
@@ -210,11 +228,8 @@ if triton is not None:
                                            other=0.).to(ACC)
         bias_res = tl.load(P1 + at, mask=valid, other=0.).to(ACC)
         z = tl.where(valid[None, :, :], a_res * p_res + bias_res[None, :, :], float('-inf'))
-        valid3 = tl.broadcast_to(valid[None, :, :], z.shape)
-        lm = z
-        for _ in range(ITERS):
-            lm, _c = _log_normalise(lm, valid3, 1)  # T_c: every column sums to 1
-            lm, _r = _log_normalise(lm, valid3, 2)  # T_r: every row sums to 1
+        lm, _, _ = _sinkhorn(z, tl.broadcast_to(valid[None, :, :], z.shape), ACC, BT, NP, NP1,
+                             ITERS, IP)
         AT = tl.where(j[None, :, None] == 0, h_pre[:, None, :], tl.exp(lm))
         return AT, post, z, p_pre, p_post, p_res, h_pre
 
@@ -227,14 +242,7 @@ if triton is not None:
         along the normalised axis, and y_(k-1) = y_k + lse_k."""
         valid = z != float('-inf')
         it = tl.arange(0, IP)
-        cols = tl.zeros((BT, IP, NP), ACC)  # lse of T_c of iteration q, per column
-        rows = tl.zeros((BT, IP, NP1), ACC)  # lse of T_r, per row
-        lm = z
-        for q in range(ITERS):
-            lm, lse_c = _log_normalise(lm, valid, 1)
-            cols = tl.where(it[None, :, None] == q, lse_c[:, None, :], cols)
-            lm, lse_r = _log_normalise(lm, valid, 2)
-            rows = tl.where(it[None, :, None] == q, lse_r[:, None, :], rows)
+        lm, cols, rows = _sinkhorn(z, valid, ACC, BT, NP, NP1, ITERS, IP)
         d = g * tl.exp(lm)  # H_res = exp(y_last)
         for back in range(ITERS):
             q = ITERS - 1 - back
@@ -348,7 +356,7 @@ if triton is not None:
                         COMBINE: tl.constexpr, REPLAY: tl.constexpr, ADD: tl.constexpr,
                         FRAC: tl.constexpr, SINKHORN: tl.constexpr, ACC: tl.constexpr, BT: tl.constexpr,
                         NP: tl.constexpr, NP1: tl.constexpr, KP: tl.constexpr, PP: tl.constexpr,
-                        BC: tl.constexpr, ITERS: tl.constexpr):
+                        BC: tl.constexpr, ITERS: tl.constexpr, IP: tl.constexpr):
         t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)  # a tile of BT tokens
         # sublayer i's: rows of (L, ...)
         P0, P1, P2, P3 = _sublayer_params(P0, P1, P2, P3, i, n, hr, K, LITE, DYNAMIC)
@@ -381,8 +389,8 @@ if triton is not None:
             tl.debug_barrier()
         r = _stream_rms(ss, n, C, eps, LITE)
         if SINKHORN:  # (the rest: what the backward needs)
-            AT, post, _, _, _, _, _ = _sinkhorn_connect(XW, P0, P1, t, tmask, r, n, K, ACC, NP, NP1,
-                                                        ITERS)
+            AT, post, _, _, _, _, _ = _sinkhorn_connect(XW, P0, P1, t, tmask, r, n, K, ACC, BT, NP,
+                                                        NP1, ITERS, IP)
         elif LITE:
             AT, post, _, _, _, _, _, _ = _lite_connect(XW, P0, P1, P2, t, tmask, r, n, K, n_perm,
                                                        ACC, NP, NP1, PP)
@@ -771,7 +779,7 @@ if triton is not None:
             if LITE:
                 if SINKHORN:  # (w: the res logits; no permutations)
                     AT, post, w, p_pre, p_post, p_res, h_pre = _sinkhorn_connect(
-                        XW, P0, P1, t, tmask, r, n, K, ACC, NP, NP1, ITERS)
+                        XW, P0, P1, t, tmask, r, n, K, ACC, BT, NP, NP1, ITERS, IP)
                     perm = w
                 else:
                     AT, post, perm, w, p_pre, p_post, p_res, h_pre = _lite_connect(
@@ -930,7 +938,7 @@ def _triton_stream_mix(H: Tensor, post_in: Optional[Tensor], u_in: Optional[Tens
         i=i, stride_t=H3.stride(0), stride_k=H3.stride(1),
         N=N, n=n, C=C, K=K, n_perm=n_perm, hr=hr, eps=RMS_EPS, FRAC=hr > 1,
         LITE=kind in MANIFOLD, DYNAMIC=kind == HC, PROJECT=W is not None, COMBINE=UW is not None,
-        SINKHORN=kind == MHC, ITERS=ITERATIONS,
+        SINKHORN=kind == MHC, ITERS=ITERATIONS, IP=next_pow2(ITERATIONS),
         REPLAY=replay, ADD=post_in is not None, ACC=acc_tl, KP=next_pow2(K), **blocks)
     return h, mixed, post, projected
 
