@@ -1,6 +1,7 @@
 """
 What the tests share: tiny models, fake sublayers, the backends to run the routing on, and the
-real-text and script helpers. Run the suite with `python -m pytest -q` from the repository root.
+real-text and script helpers. Run the suite with `python -m pytest -q -n auto` (a worker a core) from
+the repository root.
 
 Real-text tests read ../shared/data (the project's shared data slices); in a fresh clone without
 it they train on the embedded corpus instead, and dataset-specific tests skip with the reason.
@@ -21,6 +22,9 @@ import torch
 KERNEL_DEVICE = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
 if KERNEL_DEVICE.type == 'cpu':
     os.environ.setdefault('TRITON_INTERPRET', '1')
+# With -n auto (pytest-xdist) the workers share the cores: each takes its share of torch's threads.
+if 'PYTEST_XDIST_WORKER_COUNT' in os.environ:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ['PYTEST_XDIST_WORKER_COUNT'])))
 
 import data  # noqa: E402  (after the interpreter switch above)
 import kernels  # noqa: E402
