@@ -174,12 +174,13 @@ if triton is not None:
 
     @triton.jit
     def _sinkhorn(z, valid, ACC: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr, NP1: tl.constexpr,
-                  ITERS: tl.constexpr, IP: tl.constexpr):
+                  ITERS: tl.constexpr, IP: tl.constexpr, RECORD: tl.constexpr):
         """ITERS Sinkhorn iterations on the logits z (BT, NP1, NP) in the log domain, columns then
-        rows, its entries outside `valid` -inf and kept so: the last iterate, and the log-sum-exp each
-        normalisation subtracted, per column (BT, IP, NP) and per row (BT, IP, NP1), for the
-        backward (0 on a line with no valid entry). (The normalisations are written out, not called:
-        Triton's interpreter pays for every call of a jit function.)"""
+        rows, its entries outside `valid` -inf and kept so: the last iterate, and with RECORD (for
+        the backward; else zeros) the log-sum-exp each normalisation subtracted, per column
+        (BT, IP, NP) and per row (BT, IP, NP1) (0 on a line with no valid entry). (The
+        normalisations are written out, not called: Triton's interpreter pays for every call of a
+        jit function.)"""
         col_in = tl.max(valid.to(tl.int32), axis=1) > 0  # the columns (BT, NP) with a valid entry
         row_in = tl.max(valid.to(tl.int32), axis=2) > 0  # the rows (BT, NP1)
         it = tl.arange(0, IP)
@@ -187,17 +188,18 @@ if triton is not None:
         rows = tl.zeros((BT, IP, NP1), ACC)
         lm = z
         for q in range(ITERS):
-            now = it[None, :, None] == q
             top = tl.where(col_in, tl.max(lm, axis=1), 0.)  # T_c: every column sums to 1
             total = tl.where(col_in, tl.sum(tl.exp(lm - top[:, None, :]), axis=1), 1.)
             lse = tl.where(col_in, top + tl.log(total), 0.)
             lm = tl.where(valid, lm - lse[:, None, :], float('-inf'))
-            cols = tl.where(now, lse[:, None, :], cols)
+            if RECORD:
+                cols = tl.where(it[None, :, None] == q, lse[:, None, :], cols)
             top = tl.where(row_in, tl.max(lm, axis=2), 0.)  # T_r: every row sums to 1
             total = tl.where(row_in, tl.sum(tl.exp(lm - top[:, :, None]), axis=2), 1.)
             lse = tl.where(row_in, top + tl.log(total), 0.)
             lm = tl.where(valid, lm - lse[:, :, None], float('-inf'))
-            rows = tl.where(now, lse[:, None, :], rows)
+            if RECORD:
+                rows = tl.where(it[None, :, None] == q, lse[:, None, :], rows)
         return lm, cols, rows
 
     @triton.jit
@@ -210,11 +212,13 @@ if triton is not None:
                           n,
                           K,
                           ACC: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr,
-                          NP1: tl.constexpr, ITERS: tl.constexpr, IP: tl.constexpr):
+                          NP1: tl.constexpr, ITERS: tl.constexpr, IP: tl.constexpr,
+                          RECORD: tl.constexpr):
         """mHC's connections of the tokens t, as _lite_connect's: A^T (BT, NP1, NP) (row 0 H_pre,
         rows 1..n H_res from the logits by ITERS Sinkhorn iterations, columns then rows, in the log
-        domain) and post, and what the backward needs: the res logits (BT, NP1, NP) (-inf outside),
-        P's parts (p_res as the logits) and h_pre."""
+        domain) and post, and what the backward needs: the last iterate (BT, NP1, NP) (-inf
+        outside) with, if RECORD, its log-sum-exps (_sinkhorn's), P's parts (p_res as the logits)
+        and h_pre."""
         k, j = tl.arange(0, NP), tl.arange(0, NP1)
         kmask = k < n
         tk = tmask[:, None] & kmask[None, :]
@@ -228,21 +232,20 @@ if triton is not None:
                                            other=0.).to(ACC)
         bias_res = tl.load(P1 + at, mask=valid, other=0.).to(ACC)
         z = tl.where(valid[None, :, :], a_res * p_res + bias_res[None, :, :], float('-inf'))
-        lm, _, _ = _sinkhorn(z, tl.broadcast_to(valid[None, :, :], z.shape), ACC, BT, NP, NP1,
-                             ITERS, IP)
+        lm, cols, rows = _sinkhorn(z, tl.broadcast_to(valid[None, :, :], z.shape), ACC, BT, NP,
+                                   NP1, ITERS, IP, RECORD)
         AT = tl.where(j[None, :, None] == 0, h_pre[:, None, :], tl.exp(lm))
-        return AT, post, z, p_pre, p_post, p_res, h_pre
+        return AT, post, lm, cols, rows, p_pre, p_post, p_res, h_pre
 
     @triton.jit
-    def _sinkhorn_bwd(z, g, ACC: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr,
+    def _sinkhorn_bwd(lm, cols, rows, g, ACC: tl.constexpr, BT: tl.constexpr, NP: tl.constexpr,
                       NP1: tl.constexpr, ITERS: tl.constexpr, IP: tl.constexpr):
-        """The gradient of the Sinkhorn logits z (BT, NP1, NP) from H_res's, g (zero outside): the
-        iterations again, keeping each normalisation's log-sum-exp (per column, per row), then back
-        through them, last first: y_k = y_(k-1) - lse_k, so d y_(k-1) = d y_k - exp(y_k) sum(d y_k)
+        """The gradient of the Sinkhorn logits from H_res's, g (BT, NP1, NP) (zero outside), given
+        _sinkhorn's last iterate lm and the log-sum-exps it recorded: back through the
+        normalisations, last first: y_k = y_(k-1) - lse_k, so d y_(k-1) = d y_k - exp(y_k) sum(d y_k)
         along the normalised axis, and y_(k-1) = y_k + lse_k."""
-        valid = z != float('-inf')
+        valid = lm != float('-inf')
         it = tl.arange(0, IP)
-        lm, cols, rows = _sinkhorn(z, valid, ACC, BT, NP, NP1, ITERS, IP)
         d = g * tl.exp(lm)  # H_res = exp(y_last)
         for back in range(ITERS):
             q = ITERS - 1 - back
@@ -389,8 +392,8 @@ if triton is not None:
             tl.debug_barrier()
         r = _stream_rms(ss, n, C, eps, LITE)
         if SINKHORN:  # (the rest: what the backward needs)
-            AT, post, _, _, _, _, _ = _sinkhorn_connect(XW, P0, P1, t, tmask, r, n, K, ACC, BT, NP,
-                                                        NP1, ITERS, IP)
+            AT, post, _, _, _, _, _, _, _ = _sinkhorn_connect(XW, P0, P1, t, tmask, r, n, K, ACC,
+                                                              BT, NP, NP1, ITERS, IP, False)
         elif LITE:
             AT, post, _, _, _, _, _, _ = _lite_connect(XW, P0, P1, P2, t, tmask, r, n, K, n_perm,
                                                        ACC, NP, NP1, PP)
@@ -478,6 +481,8 @@ if triton is not None:
                              post,
                              perm,
                              w,
+                             cols,
+                             rows,
                              p_pre,
                              p_post,
                              p_res,
@@ -488,7 +493,8 @@ if triton is not None:
                              SINKHORN: tl.constexpr, ACC: tl.constexpr, BT: tl.constexpr,
                              NP: tl.constexpr, NP1: tl.constexpr, ITERS: tl.constexpr,
                              IP: tl.constexpr):
-        """mHC-lite's (and mHC's: SINKHORN, w its res logits, p_res (BT, NP1, NP)) connections
+        """mHC-lite's (and mHC's: SINKHORN, w the last Sinkhorn iterate, cols and rows its
+        log-sum-exps, p_res (BT, NP1, NP)) connections
         backward for the tokens t, from d A^T (g_AT) and d post: writes d XW (the GEMMs outside take
         it on to the streams and W) and returns the RMS's share of d H per stream (BT, 1) and the
         tile's sums of the gradients of the bias (pre, post, res; mHC's res (NP1, NP)) and of alpha
@@ -499,8 +505,8 @@ if triton is not None:
         dtype = D_XW.dtype.element_ty
         if SINKHORN:
             valid = (j[:, None] >= 1) & (j[:, None] < n + 1) & (k < n)[None, :]
-            dz = _sinkhorn_bwd(w, tl.where(valid[None, :, :], g_AT, 0.), ACC, BT, NP, NP1, ITERS,
-                               IP)
+            dz = _sinkhorn_bwd(w, cols, rows, tl.where(valid[None, :, :], g_AT, 0.), ACC, BT, NP,
+                               NP1, ITERS, IP)
             tl.store(D_XW + t[:, None, None] * K + 2 * n + (j[None, :, None] - 1) * n
                      + k[None, None, :], (r[:, None, None] * a_res * dz).to(dtype),
                      mask=tmask[:, None, None] & valid[None, :, :])
@@ -777,16 +783,18 @@ if triton is not None:
             d_xa = tl.zeros((BT, NP1, NP), ACC)
             d_xb = tl.zeros((BT, NP), ACC)
             if LITE:
-                if SINKHORN:  # (w: the res logits; no permutations)
-                    AT, post, w, p_pre, p_post, p_res, h_pre = _sinkhorn_connect(
-                        XW, P0, P1, t, tmask, r, n, K, ACC, BT, NP, NP1, ITERS, IP)
+                if SINKHORN:  # (w: the last Sinkhorn iterate; no permutations)
+                    AT, post, w, cols, rows, p_pre, p_post, p_res, h_pre = _sinkhorn_connect(
+                        XW, P0, P1, t, tmask, r, n, K, ACC, BT, NP, NP1, ITERS, IP, True)
                     perm = w
-                else:
+                else:  # (no Sinkhorn record)
                     AT, post, perm, w, p_pre, p_post, p_res, h_pre = _lite_connect(
                         XW, P0, P1, P2, t, tmask, r, n, K, n_perm, ACC, NP, NP1, PP)
+                    cols, rows = w, w
                 corr_t, pre_t, post_t, z_t, a_t = _mhc_connections_bwd(
                     P0, D_XW, t, tmask, tk, k, j, p, pmask, e, r, g_AT, g_post, post, perm, w,
-                    p_pre, p_post, p_res, h_pre, n, C, K, SINKHORN, ACC, BT, NP, NP1, ITERS, IP)
+                    cols, rows, p_pre, p_post, p_res, h_pre, n, C, K, SINKHORN, ACC, BT, NP, NP1,
+                    ITERS, IP)
                 corr += corr_t
                 d_pre += pre_t
                 d_post += post_t
