@@ -77,6 +77,7 @@ def test_text8_from_a_zip_splits_90_5_5_and_reports_bpc(tmp_path, capsys):
     metrics = train.main(['--dataset=text8', f'--data_dir={tmp_path / "d"}', f'--out_dir={tmp_path / "o"}',
                           '--max_iters=5', '--eval_interval=5', *TINY_TRAIN])
     assert metrics['val_bpc'] == pytest.approx(metrics['val_loss'] / math.log(2))
+    assert 'parameters, text8 (vocab 27)' in capsys.readouterr().out  # all of it: no prefix named
 
 
 
@@ -346,6 +347,10 @@ def test_text8_max_chars_cuts_the_studies_slice_from_the_full_text8(tmp_path, mo
     data.main(['text8', f'--data_dir={tmp_path / "cut"}'])  # what is there, and that it is the cut
     err = capsys.readouterr().err
     assert 'prepared before from' in err and '(its first 3,010,294 characters)' in err
+    # a run on it says so too (the full text8 and the slice are both prepared as data/text8)
+    train.main(['--dataset=text8', f'--data_dir={tmp_path / "cut"}', f'--out_dir={tmp_path / "o"}', '--max_iters=1',
+                '--eval_interval=1', *TINY_TRAIN])
+    assert 'parameters, text8 (its first 3,010,294 characters) (vocab 27)' in capsys.readouterr().out
 
 
 def test_a_text8_whose_prefix_is_not_the_slice_names_both_hashes_and_what_to_do(tmp_path):

@@ -287,8 +287,10 @@ def announce(cfg, proc, ds, model, kernels_used):
     if passes > 1:
         print(f"note: {cfg['max_iters']} steps read {cfg['max_iters'] * tokens_per_step(cfg):,} tokens, {passes:.1f} "
               f"passes over the {train_tokens:,}-token train split", file=sys.stderr)
+    prefix = ds.meta.get('max_chars')  # a slice (text8's CPU studies') says so: data/text8 holds either
     print(f"{cfg['residual']}: {model.get_num_params() / 1e6:.3f}M parameters, {cfg['dataset']} "
-          f"(vocab {ds.vocab_size}), {tokens_per_step(cfg):,} tokens/step, {proc.world} process(es) on "
+          + (f"(its first {prefix:,} characters) " if prefix else '') + f"(vocab {ds.vocab_size}), "
+          f"{tokens_per_step(cfg):,} tokens/step, {proc.world} process(es) on "
           f"{proc.device} {proc.dtype}, kernels {kernels_used}"
           + ('' if type(model.residual) in kernels_module.FAST or kernels_used == 'reference' else
              " (no twin: the class's own forward)"))
