@@ -555,7 +555,9 @@ def plot(results, rows, path, references=REFERENCES, timed=None):
         return
     groups = list(dict.fromkeys(r['group'] for r in results))
     methods = list(dict.fromkeys(r['method'] for r in results))
-    styles = {m: dict(color=plt.cm.tab10(k % 10), marker='osD^v'[k // 10 % 5]) for k, m in enumerate(methods)}
+    # ten hues, dark then light, a new marker each ten: the eleventh method is the first's hue, lighter, in squares
+    styles = {m: dict(color=plt.cm.tab20(2 * k % 20 + k // 10 % 2), marker='osD^v'[k // 10 % 5])
+              for k, m in enumerate(methods)}
     panels = [(f"paired difference to {ref}, 95% CI",
                {(row['group'], row['method']): row['versus'][ref] for row in rows if ref in row['versus']})
               for ref in references]
