@@ -291,3 +291,9 @@ def the_repository_is_left_as_it_was():
     after = repository_files()
     changed = sorted(path for path in after if before.get(path) != after[path])
     assert not changed, f"the tests wrote into the repository: {changed[:10]}"
+
+
+def pytest_collection_modifyitems(items):
+    """The compile of every kernel for a GPU first (minutes of one core with an empty Triton cache):
+    under -n auto one worker takes it at the start while the other runs the rest, not alone at the end."""
+    items.sort(key=lambda item: item.originalname != 'test_every_triton_kernel_compiles_for_a_cuda_gpu')
