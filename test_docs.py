@@ -1,7 +1,8 @@
 """
 The documents and the layout against the code: the launch counts that docs/PERFORMANCE.md
 documents at 4 layers are the ones test_kernels.py and test_decode.py pin (OPERATORS,
-DECODE_OPERATORS); docs/METHODS.md has a section for every registered method; the relative links
+DECODE_OPERATORS); docs/RESULTS.md's depth table is what the committed result files give;
+docs/METHODS.md has a section for every registered method; the relative links
 of every page lead to files (and headings) that exist; nothing a user gets points outside the repository; residuals.py stands alone and the
 project's imports have no circle; no function outside the Triton kernels is over 60 lines. No
 model runs here.
@@ -9,9 +10,11 @@ model runs here.
 import ast
 import os
 import re
+import statistics
 
 import pytest
 
+import sweep
 from residuals import RESIDUALS
 from test_decode import DECODE_OPERATORS
 from test_kernels import OPERATORS
@@ -137,6 +140,70 @@ def test_documented_decode_launches_are_the_pinned_ones():
 def slug(heading):
     """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
     return re.sub(r'[^\w\- ]', '', heading.strip().lower()).replace(' ', '-')
+
+
+# ----------------------------------------------------------------------------- the depth study's table
+
+DEPTH_MARKER = '<!-- test_docs.py rebuilds this table from results/cpu_depth'  # the comment right above it
+DEPTH_NAMES = {'mgr-mgr_gateindependent': 'mgr independent', 'mgr-mgr_streams8': 'mgr n=8',
+               'mgr-mgr_streams8-mgr_gateindependent': 'mgr n=8, independent'}  # the grid's variants, as the table names them
+
+
+def depth_name(method):
+    """A run's method as the table names it: MGR's settings by DEPTH_NAMES, a rate variant as 'mudd at 5e-4'."""
+    rate = re.fullmatch(r'(\w+)-learning_rate([0-9.e-]+)-min_lr[0-9.e-]+', method)
+    return DEPTH_NAMES.get(method) or (f'{rate[1]} at {rate[2]}' if rate else method)
+
+
+def depth_cell(diff, half, fewer=''):
+    """A paired difference to 3 places: bold where its 95% interval excludes zero."""
+    if half is None:
+        return f'{diff:+.3f} (1 seed)'
+    text = f'{diff:+.3f} ± {half:.3f}'
+    return (text if sweep.verdict(diff, half) == 'unresolved' else f'**{text}**') + fewer
+
+
+def depth_table():
+    """docs/RESULTS.md's depth table as the committed result files give it: sweep.py's report
+    (comparisons, step ratios, equal time) rounded once, a row per method and depth in its order."""
+    results_dir = os.path.join(ROOT, 'results')
+    results = [r for r in sweep.load_results('cpu_depth', results_dir) if r['final'] is not None]
+    ratios = sweep.step_ratios('cpu_depth', results_dir)
+    timed = sweep.equal_time(results, ratios)
+    timed_as = {(r['group'], r['method']): sweep.timed_as(r) for r in results}
+    lines = ["| method | layers | seeds | val loss, mean ± sd | minus prenorm | minus block_attnres | step x prenorm | "
+             "at prenorm's time, minus prenorm |", '|---|---:|---:|---:|---|---|---:|---|']
+    for row in sweep.comparisons(results, ('prenorm', 'block_attnres')):
+        losses = list(row['losses'].values())
+        sd = statistics.stdev(losses) if len(losses) > 1 else 0.0
+        cells, fewer = [], {}
+        for ref in ('prenorm', 'block_attnres'):
+            if ref in row['versus']:
+                diff, half, n = row['versus'][ref]
+                fewer[ref] = f' ({n} paired)' if n < len(losses) else ''
+                cells.append(depth_cell(diff, half, fewer[ref]))
+            else:
+                cells.append('-')
+        ratio = sweep.ratios_of(ratios, row['group']).get(timed_as[row['group'], row['method']])
+        at_time = timed.get((row['group'], row['method']), (None, None))[0]
+        cells += ['-' if ratio is None else f'{ratio:.2f}',
+                  '-' if at_time is None else depth_cell(*at_time[:2], fewer.get('prenorm', ''))]
+        lines.append(f"| {depth_name(row['method'])} | {sweep.group_number(row['group'])} | {len(losses)} | "
+                     f"{statistics.mean(losses):.3f} ± {sd:.3f} | " + ' | '.join(cells) + ' |')
+    return lines
+
+
+def test_the_depth_table_is_what_the_result_files_give():
+    """docs/RESULTS.md's depth table, row for row, is the committed runs' (results/cpu_depth/*.json):
+    a run that lands changes it, and a figure typed by hand cannot drift. The message gives the table
+    to paste."""
+    text = open(os.path.join(ROOT, 'docs', 'RESULTS.md')).read()
+    start = text.find(DEPTH_MARKER)
+    assert start >= 0, f"docs/RESULTS.md: no line starting {DEPTH_MARKER!r} above the depth table"
+    lines = text[start:].splitlines()[1:]
+    table = lines[:next((k for k, line in enumerate(lines) if not line.startswith('|')), len(lines))]
+    want = depth_table()
+    assert table == want, "docs/RESULTS.md's depth table is not the result files'; it should read:\n" + '\n'.join(want)
 
 
 PAGES = ['README.md', 'CONTRIBUTING.md', 'docs/METHODS.md', 'docs/PERFORMANCE.md', 'docs/RESULTS.md']
