@@ -502,7 +502,7 @@ def final_loss_by_group(ax, results, groups, methods, styles):
         points.sort()
         if points:
             x, mean, sd = zip(*points)
-            ax.errorbar(x, mean, yerr=sd, ls='-', capsize=3, label=method, **styles[method])
+            ax.errorbar(x, mean, yerr=sd, capsize=3, label=method, **styles[method])
     ax.set(title='final val loss, mean and sd over seeds', ylabel='val loss (nats)')
 
 
@@ -532,13 +532,30 @@ def differences(ax, title, points, groups, methods, styles):
         shown_y = [max(-OFF_SCALE, min(OFF_SCALE, y)) for y in ys]
         ends += [y + s * h if keep else at for y, h, keep, at in zip(ys, halves, inside, shown_y) for s in (-1, 1)]
         ax.errorbar(xs, shown_y, yerr=[h if keep else 0 for h, keep in zip(halves, inside)], capsize=3,
-                    ls='-' if numbered else '', label=method, **styles[method])
+                    label=method, **dict(styles[method], ls=styles[method].get('ls', '-') if numbered else ''))
         for x, y, keep, at in zip(xs, ys, inside, shown_y):
             if not keep:
                 ax.annotate(f"{y:+.2f}", (x, at), fontsize=6, color=styles[method]['color'])
     ax.axhline(0, color='grey', lw=0.8)
     ax.set_ylim(max(-OFF_SCALE, min(ends)) - 0.03, min(OFF_SCALE, max(ends)) + 0.03)
     ax.set(title=title, ylabel='val loss difference (nats; below 0: lower)')
+
+
+def styles_of(methods, tab20):
+    """A hue per residual (a run's method up to its first '-': mudd-learning_rate2e-4-min_lr2e-5 is
+    mudd's), ten dark then ten light, circles then squares (the eleventh residual is the first's hue,
+    lighter, in squares); a variant of a residual (another rate, MGR's settings) is drawn in its hue,
+    dashed, in open markers of its own shape."""
+    residuals = list(dict.fromkeys(m.split('-')[0] for m in methods))
+    styles, variants = {}, {}
+    for method in methods:
+        k = residuals.index(method.split('-')[0])
+        style = dict(color=tab20(2 * k % 20 + k // 10 % 2), marker='os'[k // 10 % 2], ls='-')
+        if '-' in method:
+            j = variants[k] = variants.get(k, -1) + 1
+            style.update(marker='D^v<>p'[j % 6], markerfacecolor='none', ls='--')
+        styles[method] = style
+    return styles
 
 
 def plot(results, rows, path, references=REFERENCES, timed=None):
@@ -555,9 +572,7 @@ def plot(results, rows, path, references=REFERENCES, timed=None):
         return
     groups = list(dict.fromkeys(r['group'] for r in results))
     methods = list(dict.fromkeys(r['method'] for r in results))
-    # ten hues, dark then light, a new marker each ten: the eleventh method is the first's hue, lighter, in squares
-    styles = {m: dict(color=plt.cm.tab20(2 * k % 20 + k // 10 % 2), marker='osD^v'[k // 10 % 5])
-              for k, m in enumerate(methods)}
+    styles = styles_of(methods, plt.cm.tab20)
     panels = [(f"paired difference to {ref}, 95% CI",
                {(row['group'], row['method']): row['versus'][ref] for row in rows if ref in row['versus']})
               for ref in references]
@@ -577,7 +592,7 @@ def plot(results, rows, path, references=REFERENCES, timed=None):
         iters = sorted(set.intersection(*(set(c) for c in curves)), key=int)[1:]  # skip the untrained model
         values = [[c[i] for c in curves] for i in iters]
         x = [int(i) for i in iters]
-        ax.plot(x, [statistics.mean(v) for v in values], color=styles[method]['color'])
+        ax.plot(x, [statistics.mean(v) for v in values], color=styles[method]['color'], ls=styles[method]['ls'])
         ax.fill_between(x, [min(v) for v in values], [max(v) for v in values], color=styles[method]['color'], alpha=0.2)
     ax.set(title=f"{group}:\nval loss, mean and min-max over seeds", xlabel='iteration', ylabel='val loss (nats)')
     if len(groups) > 1:

@@ -389,6 +389,24 @@ def test_the_differences_panel_puts_each_depth_at_its_number_and_clips_what_is_o
     assert limits == [(-0.33, sweep.OFF_SCALE + 0.03)]
 
 
+def test_a_variant_is_drawn_in_its_residuals_hue_and_every_residual_in_its_own():
+    """The picture's styles: sixteen residuals get sixteen (hue, marker) pairs, none repeated; a run at
+    another rate or setting takes its residual's hue, dashed, with an open marker that no other variant
+    of that residual has."""
+    residuals = ['prenorm', 'block_attnres', 'wav', 'mudd', 'denseformer', 'mgr', 'attnres', 'mhc_lite', 'rezero',
+                 'layerscale', 'hc', 'kromhc', 'frac', 'laurel_rw', 'delta_attnres', 'mhc']
+    variants = ['mgr-mgr_streams8', 'mudd-learning_rate5e-4-min_lr5e-5', 'mudd-learning_rate2e-4-min_lr2e-5',
+                'prenorm-learning_rate2e-4-min_lr2e-5']
+    styles = sweep.styles_of(residuals[:6] + variants + residuals[6:], lambda k: k)  # a colour is its index
+    assert len({(styles[m]['color'], styles[m]['marker']) for m in residuals}) == len(residuals)
+    assert all(styles[m]['ls'] == '-' and 'markerfacecolor' not in styles[m] for m in residuals)
+    for variant in variants:
+        style, own = styles[variant], styles[variant.split('-')[0]]
+        assert (style['color'], style['ls'], style['markerfacecolor']) == (own['color'], '--', 'none')
+    mudd_rates = [styles[m]['marker'] for m in variants[1:3]]
+    assert mudd_rates[0] != mudd_rates[1]
+
+
 def test_activations_of_silent_sublayers_are_the_embedding_at_every_depth():
     """With every output projection at zero, every update is zero, so PreNorm's sublayers all read
     e itself: the recorded input RMS is RMS(e) at every depth, and max-abs likewise."""
