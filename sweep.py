@@ -532,7 +532,7 @@ def differences(ax, title, points, groups, methods, styles):
         shown_y = [max(-OFF_SCALE, min(OFF_SCALE, y)) for y in ys]
         ends += [y + s * h if keep else at for y, h, keep, at in zip(ys, halves, inside, shown_y) for s in (-1, 1)]
         ax.errorbar(xs, shown_y, yerr=[h if keep else 0 for h, keep in zip(halves, inside)], capsize=3,
-                    label=method, **dict(styles[method], ls=styles[method].get('ls', '-') if numbered else ''))
+                    label=method, **dict(styles[method], ls=styles[method]['ls'] if numbered else ''))
         for x, y, keep, at in zip(xs, ys, inside, shown_y):
             if not keep:
                 ax.annotate(f"{y:+.2f}", (x, at), fontsize=6, color=styles[method]['color'])

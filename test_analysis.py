@@ -380,7 +380,7 @@ def test_the_differences_panel_puts_each_depth_at_its_number_and_clips_what_is_o
             return lambda *args, **kwargs: None
     points = {('d-n_layer48', 'wav'): (-0.1, 0.05, 3), ('d-n_layer12', 'wav'): (-0.2, 0.1, 3),
               ('d-n_layer48', 'mudd'): (0.9, 0.4, 3), ('d-n_layer12', 'mudd'): (0.1, None, 1)}
-    styles = {'wav': dict(color='r'), 'mudd': dict(color='b'), 'hc': dict(color='g')}
+    styles = {'wav': dict(color='r', ls='-'), 'mudd': dict(color='b', ls='-'), 'hc': dict(color='g', ls='-')}
     sweep.differences(Axes(), 'title', points, ['d-n_layer48', 'd-n_layer12'], ['wav', 'hc', 'mudd'], styles)
     left, right = 2 ** -0.075, 2 ** 0.075  # two methods shown: shifts of -1/4 and +1/4 of 0.3 octave
     assert drawn == [('wav', [round(12 * left, 4), round(48 * left, 4)], [-0.2, -0.1], [0.1, 0.05], '-'),
