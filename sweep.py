@@ -416,7 +416,7 @@ def report(grid, runs_dir, results_dir, references=None):
             cells.append('-' if to_loss is None else f"{to_loss:.2f}")
         lines.append(f"| {row['group']} | {row['method']} | {len(values)} | {mean:.4f} +- {std:.4f} | {bpc} | "
                      + ' | '.join(cells) + ' |')
-    walls = [r['wall_s'] for r in results if r.get('wall_s')]
+    walls = [r['wall_s'] for r in everything if r.get('wall_s')]  # the diverged runs took time too
     note = ("\nFinal validation loss: mean +- sample standard deviation over seeds. Paired differences: the mean "
             "over seeds of (method - reference) with the half-width of its 95% confidence interval (Student t); "
             "'lower' or 'higher' where the interval excludes zero, 'unresolved' where it does not."

@@ -472,6 +472,7 @@ def test_a_grid_on_the_command_line_reports_its_diverged_runs_and_the_methods_no
     markdown = (folder / 'results.md').read_text()
     assert '| tiny | prenorm | 1 |' in markdown and '| hc' not in markdown
     assert 'Diverged, left out of the comparisons: hc-hc_streams2-learning_rate1e12' in markdown
+    assert ' 2 runs, ' in markdown  # the run-time total counts the diverged run's time as well
     del sweep.GRIDS['mine']
     sweep.main(['mine', '--report', *dirs, *spec[:2], spec[2] + '; --residual=laurel_rw'])  # one more method
     assert 'Not run yet (no result file): laurel_rw (tiny, seed 0).' in (folder / 'results.unfinished.md').read_text()
